@@ -1,0 +1,124 @@
+"""Check an annotation's promise: the parts of every split recombine to the whole result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nnscaler.anno.errors import PromiseBrokenError
+from nnscaler.anno.parser import OpAnno, parse
+from nnscaler.anno.transform import Replicate, Transform, TransformRule
+
+__all__ = ["check_promise"]
+
+
+def _outputs(result: Any, anno: OpAnno, what: str) -> tuple[Any, ...]:
+    """The results of one run as a tuple aligned with the annotation's outputs."""
+    n = len(anno.outputs)
+    if isinstance(result, (tuple, list)) and (n > 1 or (len(result) == 1 and anno.outputs[0].is_tensor)):
+        if len(result) != n:
+            raise PromiseBrokenError(f"{what} returned {len(result)} values but the annotation "
+                                     f"'{anno}' has {n} outputs")
+        return tuple(result)
+    if n != 1:
+        raise PromiseBrokenError(f"{what} returned one value of type {type(result).__name__} "
+                                 f"but the annotation '{anno}' has {n} outputs")
+    return (result,)
+
+
+def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape or got.numel() == 0:
+        return float("inf") if got.shape != want.shape else 0.0
+    to = torch.complex128 if want.is_complex() else torch.float64
+    got, want = got.to(to), want.to(to)
+    diff = (got - want).abs().masked_fill(got.isnan() & want.isnan(), 0)
+    return float(diff.nan_to_num(float("inf")).max())
+
+
+def check_promise(
+    fn: Callable[..., Any],
+    annotation: str | OpAnno,
+    inputs: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    rules: Sequence[TransformRule] = (),
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    nums: Sequence[int] | None = None,
+    part_kwargs: Callable[[Transform, Mapping[str, Any], int], dict[str, Any]] | None = None,
+) -> list[Transform]:
+    """Check that ``annotation`` keeps its promise for ``fn(*inputs, **kwargs)``.
+
+    ``inputs`` align with the annotation's inputs. ``fn`` runs on the whole inputs (the
+    real output shapes must equal the inferred ones), then, for every transform of the
+    space (in ``nums`` parts only, when given), on each part's inputs and keyword
+    arguments; each tensor output is recombined with its layout and compared with the whole
+    result (``torch.testing.assert_close``; integers and booleans exactly). ``part_kwargs``
+    replaces :meth:`Transform.part_kwargs` for ops that rewrite more arguments. ``fn``
+    must be deterministic. Returns the checked transforms; raises
+    :class:`PromiseBrokenError` on the first disagreement.
+    """
+    anno = parse(annotation) if isinstance(annotation, str) else annotation
+    kwargs = dict(kwargs or {})
+    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
+    bound = anno.bind(shapes, kwargs)
+    name = f"annotation '{anno}'"
+    whole = _outputs(fn(*inputs, **kwargs), anno, "the op")
+    for k, (out, shape) in enumerate(zip(whole, bound.output_shapes, strict=True)):
+        if shape is None:
+            continue
+        real = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        if real != shape and not (real == () and shape == (1,)):  # a 0-d tensor is '1'
+            what = f"shape {real}" if real is not None else f"a {type(out).__name__}"
+            raise PromiseBrokenError(f"{name}: output {k} should have shape {shape} but the op "
+                                     f"returned {what}")
+
+    if nums is None:
+        space = bound.transform_space(rules=rules)
+    else:
+        space = [t for n in nums for t in bound.transform_space(n, rules=rules)]
+    for t in space:
+        parts = []
+        for part in range(t.num):
+            args = [x if layout is None or not isinstance(x, torch.Tensor)
+                    else layout.chunk(x, t.num, part) for x, layout in zip(inputs, t.inputs, strict=True)]
+            kw = part_kwargs(t, kwargs, part) if part_kwargs else t.part_kwargs(kwargs, part)
+            try:
+                result = fn(*args, **kw)
+            except Exception as e:
+                raise PromiseBrokenError(f"{name}, {t}: the op failed on part {part}: "
+                                         f"{type(e).__name__}: {e}") from e
+            parts.append(_outputs(result, anno, f"part {part} of {t}"))
+        for k, layout in enumerate(t.outputs):
+            if layout is None or bound.output_shapes[k] is None:
+                continue
+            hint = ""
+            if isinstance(layout, Replicate) and t.modifier is None:
+                hint = (f"; if the parts of output {k} sum to it, mark {t.ident!r} '+', and if "
+                        f"{t.ident!r} cannot be split, mark it '^'")
+            _compare(layout.combine([p[k] for p in parts]), whole[k], rtol, atol,
+                     f"{name} breaks its promise under {t}: output {k}", hint)
+    return space
+
+
+def _compare(
+    got: Any, want: torch.Tensor, rtol: float, atol: float, where: str, hint: str
+) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise PromiseBrokenError(f"{where}: the parts returned a {type(got).__name__}, not a tensor")
+    exact = not (want.is_floating_point() or want.is_complex())
+    try:
+        if exact:
+            if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                raise AssertionError(f"dtype {got.dtype} vs {want.dtype}, shape "
+                                     f"{tuple(got.shape)} vs {tuple(want.shape)}")
+        else:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as e:
+        detail = str(e).strip().splitlines()[0]
+        raise PromiseBrokenError(
+            f"{where} differs from the whole result by up to {_max_diff(got, want):.3g} "
+            f"({detail}){hint}"
+        ) from None

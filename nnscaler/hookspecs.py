@@ -1,0 +1,126 @@
+"""Every hook that nnscaler calls, in one place.
+
+A plugin is a module or object with functions named like the hooks below, decorated
+with :data:`nnscaler.hookimpl`. Built-in features are plugins too: the built-in ops,
+policies, schedules and adapters register through exactly these hooks.
+
+A third-party package makes itself known through the entry-point group ``nnscaler`` in
+its ``pyproject.toml``::
+
+    [project.entry-points.nnscaler]
+    megatron = "nnscaler_policy_megatron"
+
+and implements whichever hooks it needs::
+
+    import nnscaler
+
+    @nnscaler.hookimpl
+    def nnscaler_register_policies(registry):
+        registry.register("megatron", megatron_policy)
+
+Every ``nnscaler_register_*`` hook is called once per plugin when the plugin manager
+loads (lazily, on first use). Results are ignored: plugins act on the registry they are
+given. A plugin that raises is named in the error together with the hook.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from nnscaler.ops.registry import OpRegistry
+    from nnscaler.registry import Registry
+
+PROJECT_NAME = "nnscaler"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------------------------------
+# Plugin set-up
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def nnscaler_add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
+    """Let a plugin declare hooks of its own.
+
+    :param pluginmanager: the ``pluggy.PluginManager``; call
+        ``pluginmanager.add_hookspecs(my_hookspec_module)``.
+
+    Called when the plugin is registered, before any ``nnscaler_register_*`` hook.
+    Example: the autodist plugin declares a hook through which other plugins add cost
+    models.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# What a plugin contributes
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def nnscaler_register_ops(registry: OpRegistry) -> None:
+    """Register operators with dim annotations.
+
+    :param registry: the :class:`nnscaler.ops.registry.OpRegistry`. Call
+        ``registry.register(fn, annotation, name=..., ...)`` with the same arguments as
+        :func:`nnscaler.register_op`.
+
+    The annotation is parsed when it is registered; a malformed one raises
+    ``AnnotationError`` naming this plugin. Example::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_ops(registry):
+            registry.register(my_attention, "b s h^ d^, b t h^ d^ -> b s h^ d^")
+    """
+
+
+@hookspec
+def nnscaler_register_policies(registry: Registry) -> None:
+    """Register PAS (partition-assign-schedule) policies by name.
+
+    :param registry: a :class:`nnscaler.registry.Registry` of policies. A policy is a
+        callable ``(graph, compute_config) -> graph``.
+
+    ``parallelize(..., pas_policy="name")`` looks the name up here. Example::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_policies(registry):
+            registry.register("megatron", megatron_policy)
+    """
+
+
+@hookspec
+def nnscaler_register_schedules(registry: Registry) -> None:
+    """Register pipeline schedules by name.
+
+    :param registry: a :class:`nnscaler.registry.Registry` of schedules. A schedule is a
+        callable ``(nstages, nmicros, nvirtual) -> list of per-device action lists``.
+
+    ``pas_config={"pipeline_scheduler": "name"}`` looks the name up here. Example::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_schedules(registry):
+            registry.register("zero_bubble", zero_bubble_schedule)
+    """
+
+
+@hookspec
+def nnscaler_register_adapters(registry: Registry) -> None:
+    """Register communication primitives used to move a tensor between layouts.
+
+    :param registry: a :class:`nnscaler.registry.Registry` of primitives (all-reduce,
+        all-gather, reduce-scatter, all-to-all, chunk, point-to-point, ...). Each
+        primitive knows its forward transition and its adjoint for backward.
+
+    The layout planner only composes registered primitives, so a plugin can add a
+    faster or a hierarchical one. Example::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_adapters(registry):
+            registry.register("all_reduce_2d", TwoLevelAllReduce())
+    """

@@ -1,0 +1,358 @@
+"""The operator registry: which callables are operators, and their dim annotations.
+
+An *operator* is a callable that the tracer records as one node of the graph, never
+looking inside it, and whose annotation says how it can be split. Built-in torch
+functions are registered by family in :mod:`nnscaler.ops.builtin`; users add their own
+with :func:`register_op` (or a plugin's ``nnscaler_register_ops`` hook).
+
+Calling convention. An op's annotation has one entry per *annotated parameter*: the
+first ``len(anno.inputs)`` parameters of the op's signature, in order. Every other
+parameter is a keyword argument of the op (it may give hidden-dim sizes, and transforms
+may rewrite it). :meth:`OpDef.bind` turns a concrete call ``fn(*args, **kwargs)`` into
+that form.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from nnscaler.anno import AnnotationError, OpAnno, TransformRule, parse
+from nnscaler.registry import Registry
+
+#: Set by the tracer while it records a model: ``interceptor(opdef, args, kwargs)``
+#: replaces the call of every function wrapped by :func:`register_op`.
+op_call_interceptor: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "nnscaler_op_call_interceptor", default=None
+)
+
+CODE_IMPL_PATTERNS = ("import", "source")
+
+
+def _signature_of(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # many torch builtins carry no signature
+        return None
+
+
+@attrs.frozen(kw_only=True)
+class OpCall:
+    """One call of an op in the annotation's calling convention."""
+
+    opdef: OpDef
+    anno: OpAnno
+    inputs: tuple[Any, ...]  # values of the annotated parameters, in order
+    kwargs: dict[str, Any]  # every other parameter that was given, by name
+
+    def shapes(self) -> list[tuple[int, ...] | None]:
+        return [tuple(x.shape) if _is_tensor(x) else None for x in self.inputs]
+
+    def run(self, inputs: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None):
+        """Call the op with (possibly replaced) inputs and keyword arguments."""
+        return self.opdef.call(
+            tuple(self.inputs if inputs is None else inputs),
+            dict(self.kwargs if kwargs is None else kwargs),
+        )
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class OpDef:
+    """A registered operator.
+
+    ``annotation`` is a string, or a callable that receives the call's arguments exactly
+    as the op does and returns the annotation string for that call (for ops whose
+    annotation depends on arguments, e.g. ``view`` or ``sum(dim=...)``).
+    ``signature`` binds calls; it defaults to the signature of ``fn``, else of a callable
+    annotation; for C builtins with neither, the first positional arguments are the
+    annotated ones. ``update_kwargs(kwargs, transform, part) -> kwargs`` lets an op whose
+    arguments encode sizes (``view``, ``expand``, ``split``, ...) rewrite them for part
+    ``part`` of a partition; it runs after the transform's own keyword updates.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    annotation: str | Callable[..., str]
+    signature: inspect.Signature | None = None
+    code_impl_pattern: str = "import"
+    emit_fn: Callable[..., str] | None = None
+    transform_rules: tuple[TransformRule, ...] = ()
+    input_gen_fn: Callable[..., Any] | None = None
+    update_kwargs: Callable[..., dict[str, Any]] | None = None
+    registrant: str = ""
+    source: str = ""  # where it was registered, for messages
+
+    def part_kwargs(self, transform: Any, kwargs: Mapping[str, Any], part: int) -> dict[str, Any]:
+        """The keyword arguments of part ``part`` when the op is split by ``transform``."""
+        kw = transform.part_kwargs(kwargs, part)
+        if self.update_kwargs is not None:
+            kw = self.update_kwargs(dict(kw), transform, part)
+        return kw
+
+    def annotation_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> OpAnno:
+        """The parsed annotation of one concrete call."""
+        if isinstance(self.annotation, str):
+            return parse(self.annotation)
+        text = self.annotation(*args, **kwargs)
+        if not isinstance(text, str):
+            raise TypeError(
+                f"the annotation function of op {self.name!r} returned {text!r}; it must return "
+                f"an annotation string such as 'a k+, n k+ -> a n'"
+            )
+        try:
+            return parse(text)
+        except AnnotationError as e:
+            raise AnnotationError(
+                f"op {self.name!r}: its annotation function returned a malformed annotation: "
+                f"{e.reason}",
+                annotation=e.annotation,
+                position=e.position,
+            ) from None
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> OpCall:
+        """Bring a concrete call into the annotation's calling convention."""
+        anno = self.annotation_for(args, kwargs)
+        n = len(anno.inputs)
+        if self.signature is None:
+            if len(args) < n:
+                raise TypeError(
+                    f"op {self.name!r} is annotated {str(anno)!r} ({n} inputs) but was called "
+                    f"with {len(args)} positional arguments; pass the annotated inputs "
+                    f"positionally"
+                )
+            extra = args[n:]
+            kw = dict(kwargs)
+            if extra:
+                kw["*args"] = tuple(extra)
+            return OpCall(opdef=self, anno=anno, inputs=tuple(args[:n]), kwargs=kw)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"op {self.name!r} called with arguments it does not take: {e}") from None
+        params = list(self.signature.parameters.values())
+        if n > len(params):
+            raise AnnotationError(
+                f"op {self.name!r}: the annotation has {n} inputs but the op's signature has "
+                f"only {len(params)} parameters",
+                annotation=str(anno),
+                position=None,
+            )
+        inputs = []
+        for p in params[:n]:
+            if p.name in bound.arguments:
+                inputs.append(bound.arguments[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                inputs.append(p.default)
+            else:
+                inputs.append(None)
+        rest = {k: v for k, v in bound.arguments.items() if k not in {p.name for p in params[:n]}}
+        return OpCall(opdef=self, anno=anno, inputs=tuple(inputs), kwargs=rest)
+
+    def call(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Call ``fn`` from the annotation's calling convention."""
+        if self.signature is None:
+            kw = dict(kwargs)
+            extra = kw.pop("*args", ())
+            return self.fn(*inputs, *extra, **kw)
+        params = list(self.signature.parameters.values())
+        arguments = {p.name: v for p, v in zip(params, inputs)}
+        arguments.update(kwargs)
+        bound = inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
+        return self.fn(*bound.args, **bound.kwargs)
+
+    def __repr__(self) -> str:
+        ann = self.annotation if isinstance(self.annotation, str) else "<fn>"
+        return f"OpDef({self.name!r}, {ann!r}, registrant={self.registrant!r})"
+
+
+class OpRegistry(Registry[OpDef]):
+    """Ops by name, and by the callable that the tracer sees."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "op",
+            install_hint="Register it with nnscaler.register_op, or install the plugin that "
+            "provides it (e.g. `pip install ./plugins/ops_flash_attn`).",
+        )
+        self._by_fn: dict[Any, OpDef] = {}
+
+    def register(  # type: ignore[override]
+        self,
+        fn: Callable[..., Any],
+        annotation: str | Callable[..., str],
+        *,
+        name: str | None = None,
+        code_impl_pattern: str = "import",
+        emit_fn: Callable[..., str] | None = None,
+        transform_rules: Sequence[TransformRule] | None = None,
+        input_gen_fn: Callable[..., Any] | None = None,
+        signature: inspect.Signature | Callable | None = None,
+        update_kwargs: Callable[..., dict[str, Any]] | None = None,
+        aliases: Sequence[Callable[..., Any]] = (),
+        registrant: str | None = None,
+    ) -> OpDef:
+        """Register ``fn`` (and the other callables in ``aliases``) as one op."""
+        if not callable(fn):
+            raise TypeError(f"register_op needs a callable, got {fn!r}")
+        if code_impl_pattern not in CODE_IMPL_PATTERNS:
+            raise ValueError(
+                f"code_impl_pattern must be one of {CODE_IMPL_PATTERNS}, got {code_impl_pattern!r}"
+            )
+        if isinstance(annotation, str):
+            parse(annotation)  # a malformed annotation fails here, at registration
+        elif not callable(annotation):
+            raise TypeError(
+                f"an annotation is a string or a callable returning one, got {annotation!r}"
+            )
+        name = name or op_name_of(fn)
+        if signature is None:
+            sig = _signature_of(fn)
+            if sig is None and callable(annotation):
+                sig = _signature_of(annotation)
+        elif isinstance(signature, inspect.Signature):
+            sig = signature
+        else:
+            sig = _signature_of(signature)
+        opdef = OpDef(
+            name=name,
+            fn=fn,
+            annotation=annotation,
+            signature=sig,
+            code_impl_pattern=code_impl_pattern,
+            emit_fn=emit_fn,
+            transform_rules=tuple(transform_rules or ()),
+            input_gen_fn=input_gen_fn,
+            update_kwargs=update_kwargs,
+            registrant=registrant or self._current_registrant,
+        )
+        for f in (fn, *aliases):
+            other = self._by_fn.get(_fn_key(f))
+            if other is not None:
+                from nnscaler.errors import DuplicateRegistrationError
+
+                raise DuplicateRegistrationError(
+                    f"{f!r} is registered twice as an op: as {other.name!r} by "
+                    f"{other.registrant!r}, then as {name!r} by {opdef.registrant!r}"
+                )
+        super().register(name, opdef, registrant=opdef.registrant)
+        for f in (fn, *aliases):
+            self._by_fn[_fn_key(f)] = opdef
+        return opdef
+
+    def unregister(self, name: str) -> OpDef:
+        opdef = super().unregister(name)
+        for k in [k for k, v in self._by_fn.items() if v is opdef]:
+            del self._by_fn[k]
+        return opdef
+
+    def lookup(self, fn: Any) -> OpDef | None:
+        """The op registered for the callable ``fn`` (as the tracer sees it), or None."""
+        try:
+            return self._by_fn.get(_fn_key(fn))
+        except TypeError:  # unhashable callable
+            return None
+
+
+def _fn_key(fn: Any) -> Any:
+    # Bound methods (e.g. ``MyFunction.apply``) compare equal but are new objects each time.
+    self_ = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if func is not None and inspect.isclass(self_):
+        return (self_, func)
+    return fn
+
+
+def op_name_of(fn: Callable) -> str:
+    self_ = getattr(fn, "__self__", None)
+    if inspect.isclass(self_):  # autograd.Function.apply
+        return f"{self_.__module__}.{self_.__qualname__}.{fn.__name__}"
+    module = getattr(fn, "__module__", None) or "builtins"
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    return f"{module}.{qualname}"
+
+
+# ---------------------------------------------------------------------------------------
+# register_op: the user-facing decorator
+# ---------------------------------------------------------------------------------------
+
+
+def register_op(
+    annotation: str | Callable[..., str],
+    name: str | None = None,
+    code_impl_pattern: str = "import",
+    emit_fn: Callable[..., str] | None = None,
+    transform_rules: Sequence[TransformRule] | None = None,
+    input_gen_fn: Callable[..., Any] | None = None,
+):
+    """Register a function as an operator with a dim annotation.
+
+    Use as a decorator (``@register_op('a k+, n k+ -> a n')``) or a call
+    (``register_op(anno)(MyFunction.apply)``). The tracer records each call of the
+    returned function as one node and never traces into it.
+
+    - ``annotation``: the dim annotation, or a callable taking the op's arguments and
+      returning one.
+    - ``name``: the op's name (default: module and qualified name of the function).
+    - ``code_impl_pattern``: ``'import'`` (generated code imports the function) or
+      ``'source'`` (generated code carries the function's source).
+    - ``emit_fn``: a custom code emitter for the generated code.
+    - ``transform_rules``: :class:`~nnscaler.anno.TransformRule` objects that replace the
+      splits the annotation would derive.
+    - ``input_gen_fn``: builds example inputs (used by profilers and the promise check).
+
+    Returns the function to call in models: for a plain function, a wrapper with the same
+    name and docstring; for ``SomeFunction.apply``, ``SomeFunction.apply`` itself is
+    redirected through the wrapper so that existing call sites are recorded too.
+    """
+    if isinstance(annotation, str):
+        parse(annotation)  # fail at the decorator, with the caret
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        from nnscaler.plugins import user_ops
+
+        opdef_name = user_ops.add(
+            fn,
+            annotation,
+            name=name,
+            code_impl_pattern=code_impl_pattern,
+            emit_fn=emit_fn,
+            transform_rules=transform_rules,
+            input_gen_fn=input_gen_fn,
+        )
+        return make_recording_wrapper(fn, opdef_name)
+
+    return decorator
+
+
+def make_recording_wrapper(fn: Callable[..., Any], opdef_name: str) -> Callable[..., Any]:
+    """Wrap ``fn`` so that a running tracer records its calls as one op."""
+    self_ = getattr(fn, "__self__", None)
+    original = getattr(fn, "__func__", None)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        interceptor = op_call_interceptor.get()
+        if interceptor is not None:
+            from nnscaler.plugins import get_plugin_manager
+
+            opdef = get_plugin_manager().ops.get(opdef_name)
+            return interceptor(opdef, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped_op__ = opdef_name  # type: ignore[attr-defined]
+    if inspect.isclass(self_) and original is not None and fn.__name__ == "apply":
+        # torch.autograd.Function.apply: redirect the class attribute so that models that
+        # call ``MyFunction.apply(...)`` directly are recorded as well.
+        self_.apply = staticmethod(wrapper)  # type: ignore[attr-defined]
+    return wrapper

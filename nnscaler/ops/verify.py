@@ -1,0 +1,51 @@
+"""Check an op's annotation against the op itself (the annotation's *promise*).
+
+:func:`verify_op` runs the op on whole inputs, then on the pieces of every entry of its
+transform space, recombines the pieces as the layouts say and compares. Users can call
+it on their own ``register_op`` ops; the test suite calls it on every built-in op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nnscaler.anno import Transform, check_promise
+from nnscaler.ops.registry import OpDef
+
+
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def verify_op(
+    opdef: OpDef,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> list[Transform]:
+    """Check ``opdef`` on the call ``fn(*args, **kwargs)``; returns the checked transforms.
+
+    Raises :class:`nnscaler.anno.PromiseBrokenError` naming the transform and output that
+    disagree.
+    """
+    call = opdef.bind(tuple(args), dict(kwargs or {}))
+
+    def run(*inputs: Any, **kw: Any) -> Any:
+        # in-place ops mutate their inputs: every run gets its own copies
+        return opdef.call([_clone(x) for x in inputs], {k: _clone(v) for k, v in kw.items()})
+
+    return check_promise(
+        run,
+        call.anno,
+        call.inputs,
+        call.kwargs,
+        rules=opdef.transform_rules,
+        rtol=rtol,
+        atol=atol,
+        part_kwargs=opdef.part_kwargs,
+    )
