@@ -309,7 +309,9 @@ def register_op(
     - ``emit_fn``: a custom code emitter for the generated code.
     - ``transform_rules``: :class:`~nnscaler.anno.TransformRule` objects that replace the
       splits the annotation would derive.
-    - ``input_gen_fn``: builds example inputs (used by profilers and the promise check).
+    - ``input_gen_fn``: ``input_gen_fn(rng: random.Random) -> (args, kwargs)`` draws one
+      random valid call of the op; :func:`nnscaler.ops.verify.verify_op` checks the
+      annotation on such calls (the test suite does so for every built-in op).
 
     Returns the function to call in models: for a plain function, a wrapper with the same
     name and docstring; for ``SomeFunction.apply``, ``SomeFunction.apply`` itself is
