@@ -36,6 +36,7 @@ DISABLE_AUTOLOAD_ENV = "NNSCALER_DISABLE_PLUGIN_AUTOLOAD"
 #: Built-in plugins, by module name. Each is an ordinary plugin module with hookimpls.
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.ops.builtin",
+    "nnscaler.schedule.builtin",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.

@@ -49,6 +49,7 @@ class OpCall:
     anno: OpAnno
     inputs: tuple[Any, ...]  # values of the annotated parameters, in order
     kwargs: dict[str, Any]  # every other parameter that was given, by name
+    keywords: frozenset[str] = frozenset()  # parameters the original call passed by keyword
 
     def shapes(self) -> list[tuple[int, ...] | None]:
         return [tuple(x.shape) if _is_tensor(x) else None for x in self.inputs]
@@ -58,6 +59,7 @@ class OpCall:
         return self.opdef.call(
             tuple(self.inputs if inputs is None else inputs),
             dict(self.kwargs if kwargs is None else kwargs),
+            keywords=self.keywords,
         )
 
 
@@ -157,19 +159,66 @@ class OpDef:
             else:
                 inputs.append(None)
         rest = {k: v for k, v in bound.arguments.items() if k not in {p.name for p in params[:n]}}
-        return OpCall(opdef=self, anno=anno, inputs=tuple(inputs), kwargs=rest)
+        keywords = frozenset(k for k in kwargs if k in self.signature.parameters)
+        return OpCall(opdef=self, anno=anno, inputs=tuple(inputs), kwargs=rest, keywords=keywords)
 
-    def call(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        """Call ``fn`` from the annotation's calling convention."""
+    def call(
+        self,
+        inputs: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        keywords: frozenset[str] = frozenset(),
+    ) -> Any:
+        """Call ``fn`` from the annotation's calling convention.
+
+        Parameters named in ``keywords`` (those the original call passed by keyword) and
+        keyword-only ones are passed by keyword, the others positionally, so that the
+        call is replayed the way it was written.
+        """
         if self.signature is None:
             kw = dict(kwargs)
             extra = kw.pop("*args", ())
             return self.fn(*inputs, *extra, **kw)
+        args, kw = self.replay(inputs, kwargs, keywords=keywords)
+        return self.fn(*args, **kw)
+
+    def replay(
+        self,
+        inputs: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        keywords: frozenset[str] = frozenset(),
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """The positional and keyword arguments that call ``fn`` (used by codegen too)."""
+        if self.signature is None:
+            kw = dict(kwargs)
+            extra = kw.pop("*args", ())
+            return [*inputs, *extra], kw
+        P = inspect.Parameter
         params = list(self.signature.parameters.values())
         arguments = {p.name: v for p, v in zip(params, inputs)}
         arguments.update(kwargs)
-        bound = inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
-        return self.fn(*bound.args, **bound.kwargs)
+        args: list[Any] = []
+        kw: dict[str, Any] = {}
+        positional = True
+        for p in params:
+            if p.name not in arguments:
+                if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD):
+                    positional = False
+                continue
+            value = arguments[p.name]
+            if p.kind == P.VAR_POSITIONAL:
+                args.extend(value)
+            elif p.kind == P.VAR_KEYWORD:
+                kw.update(value)
+            elif p.kind == P.POSITIONAL_ONLY or (
+                p.kind == P.POSITIONAL_OR_KEYWORD and positional and p.name not in keywords
+            ):
+                args.append(value)
+            else:
+                kw[p.name] = value
+                positional = False
+        return args, kw
 
     def __repr__(self) -> str:
         ann = self.annotation if isinstance(self.annotation, str) else "<fn>"

@@ -37,7 +37,11 @@ def verify_op(
 
     def run(*inputs: Any, **kw: Any) -> Any:
         # in-place ops mutate their inputs: every run gets its own copies
-        return opdef.call([_clone(x) for x in inputs], {k: _clone(v) for k, v in kw.items()})
+        return opdef.call(
+            [_clone(x) for x in inputs],
+            {k: _clone(v) for k, v in kw.items()},
+            keywords=call.keywords,
+        )
 
     return check_promise(
         run,

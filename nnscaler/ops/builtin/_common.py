@@ -86,7 +86,7 @@ def rand_shape(
 def randn(rng: random.Random, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A float tensor drawn deterministically from ``rng`` (float64 math, then cast)."""
     g = torch.Generator().manual_seed(rng.getrandbits(62))
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(dtype)
 
 
 def randint(rng: random.Random, low: int, high: int, *shape: int) -> torch.Tensor:
