@@ -19,6 +19,10 @@ FAMILIES: tuple[str, ...] = (
     "reduce",
     "linalg",
     "nn",
+    "norm",
+    "loss",
+    "conv",
+    "attention",
     "shape",
     "indexing",
 )
