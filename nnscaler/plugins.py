@@ -37,6 +37,7 @@ DISABLE_AUTOLOAD_ENV = "NNSCALER_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.ops.builtin",
     "nnscaler.schedule.builtin",
+    "nnscaler.layout.primitives",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.

@@ -3,7 +3,7 @@
 The rest of ``torch.nn.functional`` lives in sibling modules of this family:
 :mod:`.norm` (layer/rms/group/batch/instance norm), :mod:`.loss` (the losses),
 :mod:`.conv` (convolutions) and :mod:`.attention` (scaled dot-product attention).
-:func:`register` registers them too unless the package lists them in ``FAMILIES``.
+Each is a family of its own in ``FAMILIES``.
 
 A dim that the function mixes non-linearly (the softmax dim, the normalized dims) is
 ``^``; the other dims split.
@@ -11,7 +11,6 @@ A dim that the function mixes non-linearly (the softmax dim, the normalized dims
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,6 @@ from nnscaler.ops.builtin._common import (
 from nnscaler.ops.registry import OpRegistry
 
 #: modules of this family that have a ``register`` of their own
-SUBFAMILIES: tuple[str, ...] = ("norm", "loss", "conv", "attention")
 
 # -- helpers shared by the nn modules ----------------------------------------------------
 
@@ -358,9 +356,3 @@ def register(registry: OpRegistry) -> None:
       input_gen_fn=gen_cosine_similarity)
     r(F.local_response_norm, local_response_norm_anno,
       name="torch.nn.functional.local_response_norm", input_gen_fn=gen_local_response_norm)
-
-    from nnscaler.ops.builtin import FAMILIES
-
-    for sub in SUBFAMILIES:
-        if sub not in FAMILIES:  # until the package lists them itself
-            importlib.import_module(f"{__package__}.{sub}").register(registry)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nnscaler.anno import PromiseBrokenError, ValuePartial, check_promise
-from nnscaler.ops.builtin import nn
+from nnscaler.ops.builtin import attention, conv, loss, nn, norm
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.ops.verify import verify_op
 
@@ -17,7 +17,8 @@ T = torch.Tensor
 @pytest.fixture(scope="module")
 def registry() -> OpRegistry:
     r = OpRegistry()
-    nn.register(r)  # with its sub-modules: norm, loss, conv, attention
+    for family in (nn, norm, loss, conv, attention):
+        family.register(r)
     return r
 
 
