@@ -1,0 +1,33 @@
+"""The intermediate representation: tensors, sub-tensors, ops and the graph.
+
+- :class:`FullTensor`: one logical tensor (shape, dtype, kind, qualified names, version);
+- :class:`SubTensor`: the piece of a full tensor one op instance holds (index ranges per
+  dim and a value part), what the layout layer reasons about;
+- :class:`Op`: one recorded call, with its bound annotation, where it came from, and
+  whether it ran in place or without gradients;
+- :class:`Graph`: ops in program order with producers and consumers, the forward's
+  inputs and outputs (nesting kept); ``str(graph)`` prints one op a line;
+- :func:`run_graph`: executes a graph on one device (the reference for tests), and
+  :func:`verify_graph`: checks that a graph reproduces its module's outputs and gradients.
+"""
+
+from nnscaler.ir.graph import Graph, GraphError
+from nnscaler.ir.interpreter import GraphMismatchError, InterpreterError, run_graph, verify_graph
+from nnscaler.ir.op import Op, tensors_in
+from nnscaler.ir.tensor import CURRENT_DEVICE, FullTensor, SubTensor, TensorKind, dtype_str
+
+__all__ = [
+    "CURRENT_DEVICE",
+    "FullTensor",
+    "Graph",
+    "GraphError",
+    "GraphMismatchError",
+    "InterpreterError",
+    "Op",
+    "SubTensor",
+    "TensorKind",
+    "dtype_str",
+    "run_graph",
+    "tensors_in",
+    "verify_graph",
+]

@@ -1,0 +1,105 @@
+"""An operator of the IR: one call of a torch function (or a registered op) in forward."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch.utils._pytree as pytree
+
+from nnscaler.ir.tensor import SubTensor
+
+if TYPE_CHECKING:
+    from nnscaler.anno import BoundAnno
+    from nnscaler.ops.registry import OpDef
+
+
+def tensors_in(tree: Any) -> Iterator[SubTensor]:
+    """Every :class:`SubTensor` in a nested structure of lists, tuples and dicts."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, SubTensor):
+            yield leaf
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Op:
+    """One recorded call.
+
+    - ``opdef``: the registered op, or ``None`` for an *opaque* op (a torch function with
+      no annotation): it can only be replicated;
+    - ``anno``: the annotation bound to this call's shapes (``None`` when opaque);
+    - ``inputs``: aligned with ``anno.inputs`` (the annotated parameters, in order); for an
+      opaque op, the positional arguments. Tensors are :class:`SubTensor`, possibly inside
+      lists (``torch.cat``); everything else is a constant;
+    - ``kwargs``: every other argument, by name (constants; a tensor here is an input too);
+    - ``outputs``: the leaves of the value the function returned (a :class:`SubTensor` per
+      tensor, constants otherwise) and ``output_spec``, how they nest;
+    - ``mutations``: ``(before, after)`` per tensor the op changed in place: later ops see
+      ``after``, a new version of the same tensor;
+    - where it came from: ``module_path`` (``'layers.0.self_attn'``; ``''`` for the root),
+      ``module_class``, the model's ``source_file``/``source_line`` and its ``code``;
+    - ``no_grad``: the call ran with gradients disabled.
+    """
+
+    oid: int
+    name: str
+    fn: Callable[..., Any] = attrs.field(repr=False)
+    opdef: OpDef | None = attrs.field(repr=False)
+    anno: BoundAnno | None
+    inputs: tuple[Any, ...] = attrs.field(converter=tuple)
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    outputs: tuple[Any, ...] = attrs.field(converter=tuple)
+    output_spec: pytree.TreeSpec = attrs.field(repr=False)
+    mutations: tuple[tuple[SubTensor, SubTensor], ...] = attrs.field(default=(), converter=tuple)
+    module_path: str = ""
+    module_class: str = ""
+    source_file: str = ""
+    source_line: int = 0
+    code: str = ""
+    no_grad: bool = False
+
+    @property
+    def is_opaque(self) -> bool:
+        """No annotation: the op can only be replicated."""
+        return self.opdef is None
+
+    @property
+    def inplace(self) -> bool:
+        return bool(self.mutations)
+
+    @property
+    def source(self) -> str:
+        """``file:line`` of the model's code that made the call."""
+        return f"{self.source_file}:{self.source_line}" if self.source_file else ""
+
+    @property
+    def short_source(self) -> str:
+        return f"{os.path.basename(self.source_file)}:{self.source_line}" if self.source_file else ""
+
+    def input_tensors(self) -> list[SubTensor]:
+        """Every tensor the op reads (inputs, then keyword arguments)."""
+        return [*tensors_in(self.inputs), *tensors_in(dict(self.kwargs))]
+
+    def output_tensors(self) -> list[SubTensor]:
+        """Every tensor the op produces: its results and the new versions it writes."""
+        outs = list(tensors_in(self.outputs))
+        seen = {id(t.full) for t in outs}
+        outs += [after for _, after in self.mutations if id(after.full) not in seen]
+        return outs
+
+    def result(self) -> Any:
+        """The returned value's structure with IR tensors as leaves."""
+        return pytree.tree_unflatten(list(self.outputs), self.output_spec)
+
+    def call(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Run the op on concrete ``inputs``/``kwargs`` laid out as :attr:`inputs`/:attr:`kwargs`."""
+        if self.opdef is not None:
+            return self.opdef.call(inputs, kwargs)
+        return self.fn(*inputs, **kwargs)
+
+    def __str__(self) -> str:
+        from nnscaler.ir.format import format_op
+
+        return format_op(self)

@@ -1,0 +1,22 @@
+"""The tracer: an ``nn.Module`` and dummy forward arguments in, a :class:`~nnscaler.ir.Graph`
+out. See ``docs/tracing.md``."""
+
+from nnscaler.trace.errors import (
+    DataDependentError,
+    ForwardSignatureError,
+    MetaTraceError,
+    OpaqueOpWarning,
+    TraceError,
+)
+from nnscaler.trace.tracer import STRATEGIES, check_forward_args, trace
+
+__all__ = [
+    "STRATEGIES",
+    "DataDependentError",
+    "ForwardSignatureError",
+    "MetaTraceError",
+    "OpaqueOpWarning",
+    "TraceError",
+    "check_forward_args",
+    "trace",
+]
