@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# tests/dist_utils.py: the multi-process helper, importable from every test module
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
