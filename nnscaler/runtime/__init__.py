@@ -1,0 +1,38 @@
+"""The runtime: what generated code calls on each rank.
+
+Device selection and start-up (:mod:`~nnscaler.runtime.device`), the process-group cache
+(:mod:`~nnscaler.runtime.groups`), autograd-aware collectives
+(:mod:`~nnscaler.runtime.collectives`) and the adapter runner
+(:mod:`~nnscaler.runtime.adapters`). See ``docs/runtime.md``.
+"""
+
+# ruff: noqa: F401  (re-exports: keep this a plain list of imports)
+
+from nnscaler.runtime.adapters import execute_plan, plan_groups, register_step_impl
+from nnscaler.runtime.collectives import (
+    CollectiveError,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    chunk,
+    identity_allreduce,
+    reduce_scatter,
+    send_recv,
+)
+from nnscaler.runtime.device import (
+    DEVICE_ENV,
+    DeviceError,
+    backend_for,
+    current_device,
+    device_type,
+    init_distributed,
+    local_rank,
+)
+from nnscaler.runtime.groups import (
+    GroupError,
+    clear_groups,
+    created_groups,
+    ensure_groups,
+    get_group,
+)
