@@ -36,3 +36,5 @@ from nnscaler.runtime.groups import (
     ensure_groups,
     get_group,
 )
+from nnscaler.runtime.reducer import Bucket, Reducer, ReducerHook
+from nnscaler.runtime.zero import ZeroGroups, zero_groups

@@ -1,0 +1,383 @@
+"""Gradient synchronization of data-parallel replicas, with optional ZeRO stage 1.
+
+A :class:`Reducer` owns parameters that are replicated on every rank of ``ranks``. Their
+gradients live in flat per-bucket buffers (``param.grad`` is a view into the buffer), so a
+bucket is reduced with one collective and no copy. Gradients are **summed** over replicas
+(nnScaler semantics: data-parallel replicas and micro-batches behave like gradient
+accumulation over all samples on one device; nothing is averaged).
+
+Typical step::
+
+    reducer.zero_grad()
+    for i, mb in enumerate(micro_batches):
+        with reducer.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            loss(mb).backward()
+    reducer.sync_grads()
+    optimizer.step()          # optimizer built over reducer.parameters_for_optimizer()
+    reducer.gather_params()   # no-op without zero
+
+See docs/reducer.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.runtime.zero import new_group, padded_numel, zero_groups
+
+__all__ = ["Bucket", "Reducer", "ReducerHook"]
+
+ReducerHook = Callable[[torch.Tensor], Any]
+"""``fn(grad_buffer)``; may modify the buffer in place, the return value is ignored."""
+
+_MB = 1024 * 1024
+
+
+class Bucket:
+    """A group of same-dtype parameters whose gradients share one flat buffer."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], nshards: int, shard_index: int, zero: bool
+    ):
+        self.params = params
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        self.zero = zero
+        self.nshards = nshards if zero else 1
+        self.shard_index = shard_index if zero else 0
+        self.padded_numel = padded_numel(numel, self.nshards)
+        self.shard_numel = self.padded_numel // self.nshards
+        dtype, device = params[0].dtype, params[0].device
+        self.grad_buffer = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        self.param_buffer: torch.Tensor | None = None
+        self.shard_param: torch.nn.Parameter | None = None
+        if zero:
+            # parameters become views of one flat buffer so gather_params() can all-gather
+            # straight into them
+            self.param_buffer = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+            with torch.no_grad():
+                for p, view in zip(params, self.param_views()):
+                    view.copy_(p.detach())
+                    p.data = view
+            lo = self.shard_index * self.shard_numel
+            shard = self.param_buffer[lo : lo + self.shard_numel].detach().clone().float()
+            self.shard_param = torch.nn.Parameter(shard)
+            self.shard_param.grad = None
+        self.attach_grads()
+        # async bookkeeping
+        self.ready: set[int] = set()
+        self.work: Any = None
+        self.launched = False
+        self.shard_out: torch.Tensor | None = None  # zero: reduced gradient shard in flight
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            buffer[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets)
+        ]
+
+    def grad_views(self) -> list[torch.Tensor]:
+        return self._views(self.grad_buffer)
+
+    def param_views(self) -> list[torch.Tensor]:
+        if self.param_buffer is None:
+            raise RuntimeError("param_views() needs zero=True (parameters are flat only with ZeRO)")
+        return self._views(self.param_buffer)
+
+    def attach_grads(self) -> None:
+        """Make every ``param.grad`` the view of the bucket buffer."""
+        for p, view in zip(self.params, self.grad_views()):
+            p.grad = view
+
+    def adopt_grad(self, i: int, view: torch.Tensor | None = None) -> None:
+        """Bring param ``i``'s gradient back into the buffer if something replaced it.
+
+        ``param.grad`` may have been set to None (``optimizer.zero_grad(set_to_none=True)``)
+        or to a fresh tensor (autograd then allocates one); the buffer slot is made to hold
+        the current gradient (zero when None) and ``param.grad`` becomes the view again.
+        """
+        p = self.params[i]
+        if view is None:
+            off = self.offsets[i]
+            view = self.grad_buffer[off : off + p.numel()].view(p.shape)
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() == view.data_ptr() and g.shape == view.shape:
+            return
+        else:
+            view.copy_(g)
+        p.grad = view
+
+    def adopt_all(self) -> None:
+        for i, view in enumerate(self.grad_views()):
+            self.adopt_grad(i, view)
+
+    def shard_slice(self, buffer: torch.Tensor) -> torch.Tensor:
+        lo = self.shard_index * self.shard_numel
+        return buffer[lo : lo + self.shard_numel]
+
+
+class Reducer:
+    """Sums gradients of parameters replicated over ``ranks``; optional ZeRO stage 1.
+
+    Args:
+        params: the replicated parameters (duplicates and ``requires_grad=False`` ones are
+            skipped). All ranks must pass the same parameters in the same order.
+        ranks: global ranks of the data-parallel replicas (any order; used sorted); this
+            rank must be one of them.
+        bucket_cap_mb: maximum bucket size in MiB (a larger single parameter gets its own
+            bucket). Buckets are filled in reverse registration order, close to the order
+            in which backward produces gradients.
+        async_op: launch a bucket's reduction from gradient hooks as soon as all its
+            parameters' gradients are accumulated (overlaps communication with backward).
+            With gradient accumulation, run all but the last micro-batch's backward inside
+            :meth:`no_sync`.
+        zero: shard the optimizer state (ZeRO stage 1): use :meth:`parameters_for_optimizer`
+            to build the optimizer and call :meth:`gather_params` after ``step()``.
+        zero_ngroups: split ``ranks`` into this many groups; state is sharded within a group
+            and replicated across groups.
+        process_group: group over ``ranks`` (created when None).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        ranks: Iterable[int],
+        *,
+        bucket_cap_mb: float = 25.0,
+        async_op: bool = False,
+        zero: bool = False,
+        zero_ngroups: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        self.ranks = tuple(sorted(ranks))
+        if not self.ranks:
+            raise ValueError("ranks must name at least one rank, got an empty list")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ranks must be distinct, got {list(self.ranks)}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; the default is 25.0")
+        self.rank = dist.get_rank() if dist.is_initialized() else self.ranks[0]
+        if self.rank not in self.ranks:
+            raise ValueError(
+                f"this process (rank {self.rank}) is not in the reducer's ranks {list(self.ranks)}; "
+                "create a Reducer only on its member ranks"
+            )
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.async_op = async_op
+        self.zero = zero
+        self.zero_ngroups = zero_ngroups
+        self._pre_hooks: list[ReducerHook] = []
+        self._post_hooks: list[ReducerHook] = []
+        self._no_sync = False
+        self._next_launch = 0
+
+        groups = zero_groups(self.ranks, zero_ngroups if zero else 1, self.rank)
+        self._groups = groups
+        if len(self.ranks) == 1:
+            self._group: dist.ProcessGroup | None = None
+        else:
+            self._group = process_group if process_group is not None else new_group(self.ranks)
+        if zero:
+            if zero_ngroups == 1:
+                self._zero_group = self._group
+                self._cross_group = None
+            else:
+                self._zero_group = new_group(groups.zero_ranks)
+                self._cross_group = new_group(groups.cross_ranks)
+
+        seen: set[int] = set()
+        self.params: list[torch.nn.Parameter] = []
+        for p in params:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            self.params.append(p)
+        self.buckets = self._build_buckets(groups.zero_size, groups.shard_index)
+        self._where: dict[int, tuple[int, int]] = {}
+        for bi, b in enumerate(self.buckets):
+            for pi, p in enumerate(b.params):
+                self._where[id(p)] = (bi, pi)
+        self._handles = []
+        if async_op:
+            for p in self.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ layout
+    def _build_buckets(self, nshards: int, shard_index: int) -> list[Bucket]:
+        cap = self.bucket_cap_mb * _MB
+        buckets: list[Bucket] = []
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list[torch.nn.Parameter], int]] = {}
+
+        def close(key: tuple[torch.dtype, torch.device]) -> None:
+            ps, _ = open_.pop(key)
+            buckets.append(Bucket(ps, nshards, shard_index, self.zero))
+
+        for p in reversed(self.params):
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if key in open_ and open_[key][1] + nbytes > cap:
+                close(key)
+            ps, size = open_.get(key, ([], 0))
+            ps.append(p)
+            open_[key] = (ps, size + nbytes)
+        for key in list(open_):
+            close(key)
+        return buckets
+
+    # ------------------------------------------------------------------ hooks
+    def register_pre_hook(self, fn: ReducerHook) -> None:
+        """``fn(grad_buffer)`` runs on each bucket's flat gradient buffer before its reduction."""
+        self._pre_hooks.append(fn)
+
+    def register_post_hook(self, fn: ReducerHook) -> None:
+        """``fn(grad)`` runs after each bucket's reduction on the reduced gradient: the full
+        buffer without zero, this rank's fp32 gradient shard with zero."""
+        self._post_hooks.append(fn)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (no async communication).
+
+        Only matters with ``async_op=True``; the blocking path never communicates before
+        :meth:`sync_grads`.
+        """
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        bi, pi = self._where[id(p)]
+        bucket = self.buckets[bi]
+        if bucket.launched:
+            raise RuntimeError(
+                "a gradient was accumulated into a bucket whose reduction was already launched "
+                "(several backward passes outside no_sync() before sync_grads()); run all but "
+                "the last micro-batch's backward inside `with reducer.no_sync():`"
+            )
+        bucket.adopt_grad(pi)
+        if self._no_sync:
+            return
+        bucket.ready.add(pi)
+        # launch in bucket order so every rank issues the collectives in the same order
+        while self._next_launch < len(self.buckets) and len(
+            self.buckets[self._next_launch].ready
+        ) == len(self.buckets[self._next_launch].params):
+            self._launch(self.buckets[self._next_launch], async_op=True)
+            self._next_launch += 1
+
+    # ------------------------------------------------------------------ communication
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        bucket.adopt_all()
+        for fn in self._pre_hooks:
+            fn(bucket.grad_buffer)
+        bucket.launched = True
+        if not self.zero:
+            if self._group is not None:
+                bucket.work = dist.all_reduce(
+                    bucket.grad_buffer, group=self._group, async_op=async_op
+                )
+            return
+        out = torch.empty(
+            bucket.shard_numel, dtype=bucket.grad_buffer.dtype, device=bucket.grad_buffer.device
+        )
+        if self._zero_group is not None:
+            bucket.work = dist.reduce_scatter_single(
+                out, bucket.grad_buffer, group=self._zero_group, async_op=async_op
+            )
+        else:
+            out.copy_(bucket.grad_buffer)
+        bucket.shard_out = out
+
+    def _finish(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        if not self.zero:
+            reduced = bucket.grad_buffer
+        else:
+            out = bucket.shard_out
+            bucket.shard_out = None
+            if out is None or bucket.shard_param is None:
+                raise RuntimeError("internal error: zero bucket finished without a launched shard")
+            if self._cross_group is not None:
+                dist.all_reduce(out, group=self._cross_group)
+            reduced = out if out.dtype == torch.float32 else out.float()
+            bucket.shard_param.grad = reduced
+        for fn in self._post_hooks:
+            fn(reduced)
+        bucket.ready.clear()
+        bucket.launched = False
+
+    def sync_grads(self) -> None:
+        """Sum gradients over the replicas (and wait for reductions launched by hooks).
+
+        Afterwards every ``param.grad`` holds the sum over all ranks and micro-batches since
+        the last :meth:`zero_grad`; with zero, each shard parameter's ``.grad`` holds this
+        rank's shard of that sum (``param.grad`` of the full parameters is then unreduced).
+        """
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket, async_op=False)
+        for bucket in self.buckets:
+            self._finish(bucket)
+        self._next_launch = 0
+
+    def zero_grad(self) -> None:
+        """Zero every gradient buffer and re-attach ``param.grad`` views (and shard grads)."""
+        for bucket in self.buckets:
+            if bucket.launched:
+                raise RuntimeError(
+                    "zero_grad() called while a bucket's reduction is in flight; call sync_grads() first"
+                )
+            bucket.grad_buffer.zero_()
+            bucket.attach_grads()
+            bucket.ready.clear()
+            if bucket.shard_param is not None:
+                bucket.shard_param.grad = None
+        self._next_launch = 0
+
+    # ------------------------------------------------------------------ optimizer API
+    def parameters_for_optimizer(self) -> list[torch.nn.Parameter]:
+        """The tensors to optimize: the fp32 shards with zero, else the parameters."""
+        if not self.zero:
+            return list(self.params)
+        return [b.shard_param for b in self.buckets if b.shard_param is not None]
+
+    def gather_params(self) -> None:
+        """After ``optimizer.step()`` with zero: all-gather the updated shards into the full
+        parameters of every rank of the zero group. No-op without zero."""
+        if not self.zero:
+            return
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.shard_param is None or bucket.param_buffer is None:
+                    raise RuntimeError("internal error: zero bucket without a shard parameter")
+                shard = bucket.shard_param.detach().to(bucket.param_buffer.dtype)
+                if self._zero_group is None:
+                    bucket.param_buffer.copy_(shard)
+                else:
+                    dist.all_gather_single(bucket.param_buffer, shard, group=self._zero_group)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient-ready hooks (async mode)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"Reducer(ranks={list(self.ranks)}, params={len(self.params)}, buckets={len(self.buckets)}, "
+            f"async_op={self.async_op}, zero={self.zero}, zero_ngroups={self.zero_ngroups})"
+        )
