@@ -38,6 +38,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.ops.builtin",
     "nnscaler.schedule.builtin",
     "nnscaler.layout.primitives",
+    "nnscaler.graph.ops",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.

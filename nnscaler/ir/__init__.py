@@ -7,13 +7,22 @@
   whether it ran in place or without gradients;
 - :class:`Graph`: ops in program order with producers and consumers, the forward's
   inputs and outputs (nesting kept); ``str(graph)`` prints one op a line;
+- :class:`OpPlan`: where a policy placed an op instance (device, stage, recompute group);
+- :func:`leaf_values`: the values of a graph's parameters, buffers, constants and inputs;
 - :func:`run_graph`: executes a graph on one device (the reference for tests), and
   :func:`verify_graph`: checks that a graph reproduces its module's outputs and gradients.
 """
 
 from nnscaler.ir.graph import Graph, GraphError
-from nnscaler.ir.interpreter import GraphMismatchError, InterpreterError, run_graph, verify_graph
-from nnscaler.ir.op import Op, tensors_in
+from nnscaler.ir.interpreter import (
+    GraphMismatchError,
+    InterpreterError,
+    default_device,
+    leaf_values,
+    run_graph,
+    verify_graph,
+)
+from nnscaler.ir.op import Op, OpPlan, tensors_in
 from nnscaler.ir.tensor import CURRENT_DEVICE, FullTensor, SubTensor, TensorKind, dtype_str
 
 __all__ = [
@@ -24,9 +33,12 @@ __all__ = [
     "GraphMismatchError",
     "InterpreterError",
     "Op",
+    "OpPlan",
     "SubTensor",
     "TensorKind",
+    "default_device",
     "dtype_str",
+    "leaf_values",
     "run_graph",
     "tensors_in",
     "verify_graph",

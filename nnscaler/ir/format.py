@@ -6,7 +6,8 @@ An op line reads::
 
 that is: results, op name and arguments; the annotation bound to the call (``opaque``
 when the op has none); input and output shapes; module path and class; the model's
-source line. In-place and no-grad calls are flagged at the end.
+source line. In-place and no-grad calls are flagged at the end, and so is a policy's plan
+for the op (``device 0``, ``stage 1``, ``recompute 0``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def format_op(op: Op) -> str:
     if op.module_class:
         where += f" ({op.module_class.rsplit('.', 1)[-1]})"
     flags = [flag for flag, on in (("in-place", op.inplace), ("no_grad", op.no_grad)) if on]
+    flags += [f"{key} {value}" for key, value in (
+        ("device", op.plan.device), ("stage", op.plan.stage), ("recompute", op.plan.recompute)
+    ) if value is not None]
     line = f"{lhs} = {op.name}({', '.join(args)}) | {anno} | {shapes} | {where} | {op.short_source}"
     return line + (f" | {' '.join(flags)}" if flags else "")
 

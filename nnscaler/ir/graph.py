@@ -58,12 +58,21 @@ class Graph:
 
     def add_op(self, op: Op) -> Op:
         """Append ``op``; its inputs must already be produced (or be leaves)."""
+        self._index(op)
+        self.ops.append(op)
+        return op
+
+    def _index(self, op: Op) -> None:
         for full in dict.fromkeys(t.full for t in op.input_tensors()):  # once per op
             self._consumers.setdefault(full, []).append(op)
         for full in dict.fromkeys(t.full for t in op.output_tensors()):
             self._producers.setdefault(full, []).append(op)
-        self.ops.append(op)
-        return op
+
+    def reindex(self) -> None:
+        """Recompute producers and consumers from :attr:`ops` (after editing the list)."""
+        self._producers, self._consumers = {}, {}
+        for op in self.ops:
+            self._index(op)
 
     # -- queries ------------------------------------------------------------------------
     def producers(self, tensor: FullTensor | SubTensor) -> list[Op]:

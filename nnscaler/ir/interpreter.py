@@ -41,19 +41,16 @@ def _lookup(t: FullTensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def run_graph(
+def leaf_values(
     graph: Graph,
     params: torch.nn.Module | Mapping[str, torch.Tensor],
     forward_args: Mapping[str, Any],
-    *,
-    device: torch.device | str | None = None,
-) -> Any:
-    """Execute ``graph`` and return what the traced ``forward`` would return.
+) -> dict[FullTensor, Any]:
+    """The value of every leaf of ``graph``: parameters, buffers, constants and inputs.
 
     ``params`` is the traced module (or a ``name -> tensor`` map of its parameters and
     buffers); ``forward_args`` holds a value for every argument the graph was traced with,
-    nested the same way. ``device`` replaces :data:`~nnscaler.ir.CURRENT_DEVICE` in the
-    recorded arguments (default: the device of the first input or parameter, else CPU).
+    nested the same way. Raises :class:`InterpreterError` naming what is missing.
     """
     state = _state_of(params)
     env: dict[FullTensor, Any] = {}
@@ -87,14 +84,34 @@ def run_graph(
                         f"{type(value).__name__} {value!r} is given"
                     )
                 env[ir.full] = value
+    return env
 
-    if device is None:
-        first = next(
-            (v for v in env.values() if isinstance(v, torch.Tensor) and v.device.type != "meta"),
-            None,
-        )
-        device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+
+def default_device(values: Mapping[FullTensor, Any]) -> torch.device:
+    """The device of the first real (not ``meta``) tensor among ``values``, else CPU."""
+    first = next(
+        (v for v in values.values() if isinstance(v, torch.Tensor) and v.device.type != "meta"),
+        None,
+    )
+    return first.device if first is not None else torch.device("cpu")
+
+
+def run_graph(
+    graph: Graph,
+    params: torch.nn.Module | Mapping[str, torch.Tensor],
+    forward_args: Mapping[str, Any],
+    *,
+    device: torch.device | str | None = None,
+) -> Any:
+    """Execute ``graph`` and return what the traced ``forward`` would return.
+
+    ``params`` is the traced module (or a ``name -> tensor`` map of its parameters and
+    buffers); ``forward_args`` holds a value for every argument the graph was traced with,
+    nested the same way. ``device`` replaces :data:`~nnscaler.ir.CURRENT_DEVICE` in the
+    recorded arguments (default: the device of the first input or parameter, else CPU).
+    """
+    env = leaf_values(graph, params, forward_args)
+    device = default_device(env) if device is None else torch.device(device)
 
     def value_of(leaf: Any) -> Any:
         if isinstance(leaf, SubTensor):

@@ -16,6 +16,26 @@ if TYPE_CHECKING:
     from nnscaler.ops.registry import OpDef
 
 
+@attrs.define(kw_only=True)
+class OpPlan:
+    """How a policy runs one op instance; filled by :mod:`nnscaler.graph`, empty when traced.
+
+    - ``device``: the device of the scale unit that runs the instance;
+    - ``stage``: its pipeline stage (:meth:`nnscaler.graph.IRGraph.staging`);
+    - ``recompute``: the activation-recomputation group it belongs to.
+
+    Unlike the :class:`Op` that holds it, a plan is mutable: ``attrs.evolve(op, ...)``
+    shares it, so pass ``plan=`` a new one when copying an op.
+    """
+
+    device: int | None = None
+    stage: int | None = None
+    recompute: int | None = None
+
+    def copy(self) -> OpPlan:
+        return OpPlan(device=self.device, stage=self.stage, recompute=self.recompute)
+
+
 def tensors_in(tree: Any) -> Iterator[SubTensor]:
     """Every :class:`SubTensor` in a nested structure of lists, tuples and dicts."""
     for leaf in pytree.tree_leaves(tree):
@@ -40,7 +60,9 @@ class Op:
       ``after``, a new version of the same tensor;
     - where it came from: ``module_path`` (``'layers.0.self_attn'``; ``''`` for the root),
       ``module_class``, the model's ``source_file``/``source_line`` and its ``code``;
-    - ``no_grad``: the call ran with gradients disabled.
+    - ``no_grad``: the call ran with gradients disabled;
+    - ``plan``: where a policy placed this instance (device, pipeline stage, recompute
+      group); see :class:`OpPlan`.
     """
 
     oid: int
@@ -59,6 +81,22 @@ class Op:
     source_line: int = 0
     code: str = ""
     no_grad: bool = False
+    plan: OpPlan = attrs.field(factory=OpPlan, repr=False)
+
+    @property
+    def device(self) -> int | None:
+        """The device a policy assigned this instance to (``None``: not assigned)."""
+        return self.plan.device
+
+    @property
+    def stage(self) -> int | None:
+        """The pipeline stage of this instance (``None``: not staged)."""
+        return self.plan.stage
+
+    @property
+    def recompute(self) -> int | None:
+        """The recompute group of this instance (``None``: activations are kept)."""
+        return self.plan.recompute
 
     @property
     def is_opaque(self) -> bool:

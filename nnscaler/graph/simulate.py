@@ -1,0 +1,199 @@
+"""``run_plan``: run a planned graph on one process, every op instance on its own pieces.
+
+The simulator is the reference that plans are tested against: a partitioned, replicated
+graph must compute what the module computes. It runs the op instances in program order.
+For each piece an instance reads, it assembles the region of the full tensor from the
+pieces written so far (summing value parts, placing index ranges, see
+:mod:`nnscaler.graph.pieces`) and cuts the piece: a value part ``p`` of ``n`` holds the
+whole value when ``p == 0`` and zeros otherwise, so the parts sum to the value. Leaves
+(parameters, buffers, constants, inputs) are the module's and the arguments' own tensors,
+so autograd runs through the pieces back to the module's parameters.
+
+Devices are not simulated: every instance runs here, whatever its device. Moving pieces
+between devices is the layout layer's job, with its own simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from nnscaler.graph.check import written_by
+from nnscaler.graph.errors import RunPlanError
+from nnscaler.graph.graph import as_irgraph
+from nnscaler.graph.pieces import Gap, Ranges, ValueKey, cover
+from nnscaler.ir import (
+    CURRENT_DEVICE,
+    FullTensor,
+    Graph,
+    Op,
+    SubTensor,
+    default_device,
+    leaf_values,
+)
+
+
+def _slices(ranges: Ranges, within: Ranges) -> tuple[slice, ...]:
+    """``ranges`` as slices of a tensor that holds the region ``within``."""
+    return tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(ranges, within, strict=True))
+
+
+def _cut(value: torch.Tensor, ranges: Ranges, within: Ranges) -> torch.Tensor:
+    return value if ranges == within else value[_slices(ranges, within)]
+
+
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return a == b or (a == (1,) and b == ()) or (a == () and b == (1,))
+
+
+def run_plan(
+    graph: Graph,
+    module: torch.nn.Module | Mapping[str, torch.Tensor],
+    forward_args: Mapping[str, Any],
+    *,
+    device: torch.device | str | None = None,
+) -> Any:
+    """Run every op instance of ``graph`` on its pieces and return the forward's outputs.
+
+    ``module`` is the traced module (or its ``name -> tensor`` parameters and buffers) and
+    ``forward_args`` the forward's arguments, as for :func:`nnscaler.ir.run_graph`. Raises
+    :class:`~nnscaler.graph.RunPlanError` when a piece cannot be formed (run
+    :func:`~nnscaler.graph.check_plan` first for the full diagnosis).
+    """
+    g = as_irgraph(graph)
+    leaves = leaf_values(g, module, forward_args)
+    device = default_device(leaves) if device is None else torch.device(device)
+    written: dict[FullTensor, list[tuple[SubTensor, ValueKey, torch.Tensor]]] = {}
+    regions: dict[tuple[FullTensor, Ranges], torch.Tensor] = {}
+    pieces_of: dict[Op, list[SubTensor]] = {}
+    for op in g.ops:
+        pieces_of.setdefault(g.origin(op), []).extend(op.input_tensors() + op.output_tensors())
+    whole = {o for o, pieces in pieces_of.items() if all(p.is_whole for p in pieces)}
+    ran_in_place: set[Op] = set()
+
+    def who(reader: Op | None) -> str:
+        return "the graph's output" if reader is None else g.describe(reader)
+
+    def region(full: FullTensor, ranges: Ranges, reader: Op | None) -> torch.Tensor:
+        """The whole value of ``full`` over ``ranges``, for ``reader`` (None: the output)."""
+        if full in leaves:
+            return _cut(leaves[full], ranges, full.whole().indmap)
+        key = (full, ranges)
+        if key in regions:
+            return regions[key]
+        entries = written.get(full, [])
+        found = cover(ranges, [e[0] for e in entries], [e[1] for e in entries])
+        if isinstance(found, Gap):
+            raise RunPlanError(f"{who(reader)} reads {full} over {list(ranges)}, but the pieces "
+                               f"written before it do not form it at {found}; "
+                               f"check_plan(graph, ndevices) explains which op is missing")
+        sums = []
+        for cell in found:
+            terms = [_cut(entries[i][2], cell.ranges, entries[i][0].indmap) for i in cell.picks]
+            value = terms[0]
+            for term in terms[1:]:
+                value = value + term
+            sums.append((cell.ranges, value))
+        if len(sums) == 1:  # one cell: the region itself (a single piece: its very tensor)
+            total = sums[0][1]
+        else:
+            first = sums[0][1]
+            total = torch.zeros([b - a for a, b in ranges], dtype=first.dtype, device=first.device)
+            for cell_ranges, value in sums:
+                total[_slices(cell_ranges, ranges)] = value
+        regions[key] = total
+        return total
+
+    def read(piece: SubTensor, reader: Op | None) -> torch.Tensor:
+        value = region(piece.full, piece.indmap, reader)
+        part, _ = piece.valmap
+        return value if part == 0 else torch.zeros_like(value)
+
+    def run(op: Op) -> None:
+        origin = g.origin(op)
+        mutated = {before: after for before, after in op.mutations}
+        # An in-place op whose instances all hold whole pieces runs once, on the very
+        # tensors (so that writes through views reach their base, as in run_graph); its
+        # replicas write the same pieces. Otherwise each instance writes its own copy.
+        in_place = bool(mutated) and origin in whole
+        if in_place and origin in ran_in_place:
+            return
+        if in_place:
+            ran_in_place.add(origin)
+        read_fulls = {p.full for p in op.input_tensors()}
+        through_view = [b for b in mutated if b.full not in read_fulls]
+        if through_view and not in_place:
+            raise RunPlanError(
+                f"{g.describe(op)} writes {through_view[0].full} in place through a view; the "
+                f"simulator follows such writes only when every instance of the op is whole"
+            )
+        values: dict[SubTensor, torch.Tensor] = {}
+
+        def value_of(leaf: Any) -> Any:
+            if isinstance(leaf, SubTensor):
+                if leaf not in values:
+                    value = read(leaf, op)
+                    if leaf in mutated and not in_place:
+                        value = value.clone()  # each instance writes its own copy
+                    values[leaf] = value
+                return values[leaf]
+            if leaf is CURRENT_DEVICE:
+                return device
+            return leaf
+
+        inputs = pytree.tree_map(value_of, list(op.inputs))
+        kwargs = pytree.tree_map(value_of, dict(op.kwargs))
+        result = op.call(inputs, kwargs)
+        results = pytree.tree_leaves(result)
+        if len(results) != len(op.outputs):
+            raise RunPlanError(f"{g.describe(op)} returned {len(results)} values where the graph "
+                               f"records {len(op.outputs)}")
+        produced: dict[SubTensor, torch.Tensor] = {}
+        for ir, value in zip(op.outputs, results, strict=True):
+            if not isinstance(ir, SubTensor):
+                continue
+            if not isinstance(value, torch.Tensor) or not _same_shape(tuple(value.shape), ir.shape):
+                got = (f"shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                raise RunPlanError(f"{g.describe(op)} should write the piece {ir} of shape "
+                                   f"{list(ir.shape)} but returned {got}")
+            produced.setdefault(ir, value.reshape(ir.shape))
+        for before, after in op.mutations:
+            if after in produced:
+                continue
+            if before in values:
+                produced[after] = values[before]
+                continue
+            # written through a view: the base must share the view's storage
+            value = read(before, op)
+            storage = value.untyped_storage().data_ptr()
+            if not any(values[b].untyped_storage().data_ptr() == storage
+                       for b in mutated if b in values):
+                raise RunPlanError(
+                    f"{g.describe(op)} writes {before.full} in place through a view, but here "
+                    f"the view's value was assembled from pieces, so the write cannot reach "
+                    f"its base; keep the ops between the base and the write whole"
+                )
+            produced[after] = value
+        for piece, key in written_by(g, op):
+            written.setdefault(piece.full, []).append((piece, key, produced[piece]))
+
+    grad_on = torch.is_grad_enabled()
+    try:
+        for op in g.ops:
+            torch.set_grad_enabled(grad_on and not op.no_grad)
+            run(op)
+    finally:
+        torch.set_grad_enabled(grad_on)
+
+    def output(leaf: Any) -> Any:
+        if isinstance(leaf, SubTensor):
+            return read(leaf, None)
+        if leaf is CURRENT_DEVICE:
+            return device
+        return leaf
+
+    return pytree.tree_map(output, g.outputs)
