@@ -271,9 +271,9 @@ class IRGraph(Graph):
         if 0 <= idx < len(anno.expanded.inputs) and dim < 0:  # from the end, as in torch
             dim += len(anno.expanded.inputs[idx].dims or ())
         try:
-            transform = anno.split(idx, dim, num, rules=op.opdef.transform_rules)
+            transform = anno.split(idx, dim, num, rules=op.opdef.rules_for(anno))
         except AnnotationError as e:
-            legal = anno.transform_space(rules=op.opdef.transform_rules)
+            legal = anno.transform_space(rules=op.opdef.rules_for(anno))
             fix = ("Pick one of the legal choices, or replicate the op" if legal
                    else "Replicate the op")
             raise PartitionError(

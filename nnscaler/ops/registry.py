@@ -89,11 +89,21 @@ class OpDef:
     signature: inspect.Signature | None = None
     code_impl_pattern: str = "import"
     emit_fn: Callable[..., str] | None = None
-    transform_rules: tuple[TransformRule, ...] = ()
+    transform_rules: tuple[TransformRule, ...] | Callable[[Any], Sequence[TransformRule]] = ()
     input_gen_fn: Callable[..., Any] | None = None
     update_kwargs: Callable[..., dict[str, Any]] | None = None
     registrant: str = ""
     source: str = ""  # where it was registered, for messages
+
+    def rules_for(self, bound: Any) -> tuple[TransformRule, ...]:
+        """The custom transform rules for one bound call (``BoundAnno``).
+
+        ``transform_rules`` is a sequence, or a callable taking the bound annotation and
+        returning one (for rules that depend on the call's ranks, e.g. linear's bias).
+        """
+        if callable(self.transform_rules):
+            return tuple(self.transform_rules(bound))
+        return tuple(self.transform_rules)
 
     def part_kwargs(self, transform: Any, kwargs: Mapping[str, Any], part: int) -> dict[str, Any]:
         """The keyword arguments of part ``part`` when the op is split by ``transform``."""
@@ -244,7 +254,8 @@ class OpRegistry(Registry[OpDef]):
         name: str | None = None,
         code_impl_pattern: str = "import",
         emit_fn: Callable[..., str] | None = None,
-        transform_rules: Sequence[TransformRule] | None = None,
+        transform_rules: Sequence[TransformRule] | Callable[[Any], Sequence[TransformRule]]
+        | None = None,
         input_gen_fn: Callable[..., Any] | None = None,
         signature: inspect.Signature | Callable | None = None,
         update_kwargs: Callable[..., dict[str, Any]] | None = None,
@@ -280,7 +291,9 @@ class OpRegistry(Registry[OpDef]):
             signature=sig,
             code_impl_pattern=code_impl_pattern,
             emit_fn=emit_fn,
-            transform_rules=tuple(transform_rules or ()),
+            transform_rules=transform_rules
+            if callable(transform_rules)
+            else tuple(transform_rules or ()),
             input_gen_fn=input_gen_fn,
             update_kwargs=update_kwargs,
             registrant=registrant or self._current_registrant,
@@ -357,7 +370,8 @@ def register_op(
       ``'source'`` (generated code carries the function's source).
     - ``emit_fn``: a custom code emitter for the generated code.
     - ``transform_rules``: :class:`~nnscaler.anno.TransformRule` objects that replace the
-      splits the annotation would derive.
+      splits the annotation would derive, or a callable taking the call's bound
+      annotation and returning them.
     - ``input_gen_fn``: ``input_gen_fn(rng: random.Random) -> (args, kwargs)`` draws one
       random valid call of the op; :func:`nnscaler.ops.verify.verify_op` checks the
       annotation on such calls (the test suite does so for every built-in op).

@@ -48,7 +48,7 @@ def verify_op(
         call.anno,
         call.inputs,
         call.kwargs,
-        rules=opdef.transform_rules,
+        rules=opdef.rules_for(call.anno.bind(call.shapes(), call.kwargs)),
         rtol=rtol,
         atol=atol,
         part_kwargs=opdef.part_kwargs,

@@ -128,7 +128,7 @@ def data_parallel(graph: IRGraph, ndevices: int) -> IRGraph:
 def _batch_split(op: Op, batch_dim: dict[FullTensor, int], num: int) -> Any:
     if op.anno is None or op.opdef is None:
         return None
-    space = op.anno.transform_space(num, rules=op.opdef.transform_rules)
+    space = op.anno.transform_space(num, rules=op.opdef.rules_for(op.anno))
     for t in space:
         x = op.inputs[t.idx]
         if getattr(x, "full", None) in batch_dim and batch_dim[x.full] == t.dim:

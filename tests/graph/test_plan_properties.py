@@ -18,7 +18,7 @@ _SPLITS: dict[Op, list[Transform]] = {}
 
 def legal_splits(op: Op) -> list[Transform]:
     if op not in _SPLITS:
-        rules = op.opdef.transform_rules if op.opdef is not None else ()
+        rules = op.opdef.rules_for(op.anno) if op.opdef is not None else ()
         _SPLITS[op] = [] if op.anno is None else op.anno.transform_space(rules=rules)
     return _SPLITS[op]
 

@@ -37,14 +37,25 @@ def test_megatron_mlp(ndevices):
     assert_reproduces(graph, "gpt_nobias", ndevices=ndevices)
 
 
-def test_megatron_row_split_needs_a_linear_without_bias():
-    """With a bias, splitting the reduction dim would add the bias once per part: the
-    annotation freezes it, and the error lists what is legal."""
+@pytest.mark.parametrize("ndevices", [2, 4])
+def test_megatron_row_split_with_a_bias_puts_the_bias_on_one_part(ndevices):
+    """linear's transform rule splits the reduction dim even with a bias: the bias is a
+    value-partial input (whole on part 0, zeros elsewhere), so it is added once."""
+    graph = megatron_mlp(fresh("gpt"), ndevices)
+    proj = graph.select(module="gpt.blocks.0.mlp.proj")
+    _, _, bias = proj[0].inputs
+    assert bias.valmap == (0, ndevices) and proj[1].inputs[2].valmap == (1, ndevices)
+    assert proj[1].outputs[0].valmap == (1, ndevices)
+    assert_reproduces(graph, "gpt", ndevices=ndevices)
+
+
+def test_frozen_dims_stay_frozen_without_a_rule():
+    """A dim marked '^' with no rule cannot be split; the error lists what is legal."""
     graph = fresh("gpt")
-    proj = graph.select(module="gpt.blocks.0.mlp.proj")[0]
-    with pytest.raises(PartitionError, match=r"(?s)'k' is marked '\^'.*idx=1, dim=0 \('n'\)") as e:
-        graph.partition(proj, idx=0, dim=2, num=2)
-    assert "gpt.py:101" in str(e.value) and "b0 b1 k^, n k^, n -> b0 b1 n" in str(e.value)
+    ln = graph.select(name="layer_norm", module="gpt.blocks.0.ln_1")[0]
+    with pytest.raises(PartitionError, match=r"(?s)is marked '\^'.*legal") as e:
+        graph.partition(ln, idx=0, dim=2, num=2)
+    assert "gpt.py:" in str(e.value) and "layer_norm" in str(e.value)
 
 
 def test_data_times_tensor_parallel_nests_partitions():

@@ -35,18 +35,22 @@ def test_partition_a_frozen_dim_lists_the_legal_splits():
     graph = fresh("mlp")
     linear = graph.nodes()[0]
     with pytest.raises(PartitionError) as e:
-        graph.partition(linear, idx=0, dim=1, num=2)
+        graph.partition(linear, idx=0, dim=0, num=3)
     text = str(e.value)
     for needed in (
         "cannot partition op #0 torch.nn.functional.linear",
         "annotation 'b0 k^, n k^, n -> b0 n'",
         LINEAR_LINE, "`h = layer(h)`", "module layers.0",
-        "idx=0, dim=1, num=2", "input shapes [4,8], [16,8], [16]",
-        "'k' is marked '^' (never split)",
+        "idx=0, dim=0, num=3", "input shapes [4,8], [16,8], [16]",
         "legal choices (idx, dim, num):", "idx=0, dim=0 ('b0'): num in [2, 4]",
         "idx=1, dim=0 ('n'): num in [2, 4, 8, 16]", "Pick one of the legal choices",
     ):
         assert needed in text, needed
+    # the reduction dim 'k' is legal through linear's bias rule
+    assert "idx=0, dim=1 ('k'): num in [2, 4, 8]" in text
+    loss = graph.nodes()[-1]
+    with pytest.raises(PartitionError, match=r"'a' is marked '\^' \(never split\)"):
+        graph.partition(loss, idx=0, dim=0, num=2)
     assert linear in graph.nodes()  # nothing changed
 
 

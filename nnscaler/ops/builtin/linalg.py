@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nnscaler.anno import BoundAnno, Split, TransformRule, ValuePartial
 from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint, randn
 from nnscaler.ops.registry import OpRegistry
 
@@ -76,6 +77,23 @@ def linear_anno(input, weight, bias=None) -> str:
         w = ["n", k]
     out_shape = [*input.shape[:-1], *weight.shape[:-1]]
     return f"{_tensor([*lead, k])}, {_tensor(w)}, {_fit(bias, out, out_shape)} -> {_tensor(out)}"
+
+
+def linear_rules(bound: BoundAnno) -> list[TransformRule]:
+    """With a bias, the reduction dim still splits: the bias goes to part 0 only.
+
+    Each part computes ``x_k @ w_k.T (+ b on part 0)``; the parts sum to the whole. The
+    annotation cannot say "value-partial input", so this rule does.
+    """
+    shapes = bound.input_shapes
+    if len(shapes) < 3 or shapes[2] is None or shapes[1] is None or len(shapes[1]) != 2:
+        return []
+    last = len(shapes[0]) - 1
+    return [
+        TransformRule(
+            inputs=(Split(last), Split(1), ValuePartial()), outputs=(ValuePartial(),)
+        )
+    ]
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, str]:
@@ -663,6 +681,7 @@ def register(registry: OpRegistry) -> None:
     T = torch.Tensor
     r = registry.register
     r(torch.nn.functional.linear, linear_anno, name="torch.nn.functional.linear",
+      transform_rules=linear_rules,
       input_gen_fn=gen_linear)
     r(torch.matmul, matmul_anno, name="torch.matmul",
       aliases=(T.matmul, T.__matmul__, torch.linalg.matmul), input_gen_fn=gen_matmul)

@@ -43,8 +43,13 @@ def test_linear_bias_freezes_the_contraction(registry):
     no_bias = verify_op(op, (x, w))
     assert "k" in idents(no_bias)
     assert all(t.outputs == (ValuePartial(),) for t in no_bias if t.ident == "k")
-    assert idents(verify_op(op, (x, w, b))) == {"b0", "b1", "n"}
-    # the bias would be added once per part
+    with_bias = verify_op(op, (x, w, b))
+    assert idents(with_bias) == {"b0", "b1", "n", "k"}
+    # the reduction dim splits only through linear's rule: the bias goes to part 0 alone
+    row = [t for t in with_bias if t.ident == "k"]
+    assert row and all(t.inputs[2] == ValuePartial() for t in row)
+    assert all(t.outputs == (ValuePartial(),) for t in row)
+    # the plain annotation cannot say it: the bias would be added once per part
     with pytest.raises(PromiseBrokenError):
         check_promise(F.linear, "b0 b1 k+, n k+, n -> b0 b1 n", (x, w, b))
 
