@@ -39,6 +39,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.schedule.builtin",
     "nnscaler.layout.primitives",
     "nnscaler.graph.ops",
+    "nnscaler.policies",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.

@@ -1,0 +1,41 @@
+"""The built-in PAS policies, registered through ``nnscaler_register_policies``:
+
+- ``dp``: data parallelism across scale units; one device per unit, every op on it;
+- ``data``: the batch split across the ``plan_ngpus`` devices of a unit;
+- ``tp``: tensor parallelism, each op split where the adapter costs say it pays.
+
+Each is a callable ``(graph, compute_config) -> graph`` that places every op instance and
+checks the plan with ``graph.check(plan_ngpus)``. :func:`~nnscaler.policies.costs.adapters`
+lists the adapters a plan needs and what they cost. See ``docs/builtin-policies.md``.
+"""
+
+from __future__ import annotations
+
+from nnscaler.hookspecs import hookimpl
+from nnscaler.policies.batch_split import data
+from nnscaler.policies.common import PolicyError
+from nnscaler.policies.costs import Adapter, adapters, layout_of, total_cost
+from nnscaler.policies.single_device import dp
+from nnscaler.policies.tensor_parallel import tp
+from nnscaler.registry import Registry
+
+__all__ = [
+    "BUILTIN_POLICIES",
+    "Adapter",
+    "PolicyError",
+    "adapters",
+    "data",
+    "dp",
+    "layout_of",
+    "total_cost",
+    "tp",
+]
+
+#: The policies this plugin registers, by name.
+BUILTIN_POLICIES = {"dp": dp, "data": data, "tp": tp}
+
+
+@hookimpl
+def nnscaler_register_policies(registry: Registry) -> None:
+    for name, policy in BUILTIN_POLICIES.items():
+        registry.register(name, policy)

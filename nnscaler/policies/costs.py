@@ -1,0 +1,240 @@
+"""Adapters of a plan and what they cost, from the pieces each device holds.
+
+A planned graph says, for every op instance, the device it runs on and the pieces
+(:class:`~nnscaler.ir.SubTensor`) it reads and writes. Gathered over the instances of one
+op, the pieces of one tensor on the devices form an RVD :class:`~nnscaler.layout.Layout`
+(:func:`layout_of`). Following ``docs/internals/parallel-runtime.md``, an *adapter* runs
+where an op's instances need a tensor in another layout than the one it is held in:
+
+- an activation is held as its producer's instances wrote it;
+- a forward input is replicated on every device of the scale unit (``R(n)``);
+- a parameter, buffer or constant is held in its *canonical* layout: the layout its
+  first consumer needs, value parts folded into replicas;
+- every graph output must end replicated on every device.
+
+The cost of an adapter is :func:`nnscaler.layout.plan`'s estimate (elements the busiest
+device sends or receives) in bytes, plus the same for its adjoint (the gradient's way
+back) when the tensor requires grad and the op records gradients. :func:`adapters` lists
+the adapters of a planned graph; the ``tp`` policy uses the same arithmetic to choose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from nnscaler.anno import Layout as AnnoLayout
+from nnscaler.anno import Split, Transform, ValuePartial
+from nnscaler.graph import IRGraph
+from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
+from nnscaler.layout import Layout, Plan, plan
+from nnscaler.layout.layout import ravel
+
+__all__ = [
+    "Adapter",
+    "adapter_cost",
+    "adapters",
+    "layout_of",
+    "part_piece",
+    "redundant_bytes",
+    "replicated",
+    "total_cost",
+    "transform_pieces",
+]
+
+
+def replicated(full: FullTensor, ndevices: int) -> Layout:
+    """``full`` whole on devices ``0 .. ndevices-1``: ``R(n)``."""
+    return Layout(shape=full.shape, r=ndevices)
+
+
+def layout_of(pieces: Iterable[tuple[int, SubTensor]]) -> Layout | None:
+    """The RVD layout of one tensor held as ``(device, piece)`` pairs; ``None`` when the
+    pieces do not form one (a device holding two different pieces, unequal chunks, chunks
+    that do not cover a dim, value parts that are not ``0..v-1`` of ``v``, or chunks held by
+    different numbers of devices).
+
+    Replicas are numbered by device id, so ``R(2)`` over devices 1 and 0 lists ``[0, 1]``.
+    """
+    held: dict[int, SubTensor] = {}
+    for device, piece in pieces:
+        if held.setdefault(device, piece) != piece:
+            return None
+    if not held:
+        return None
+    full = next(iter(held.values())).full
+    shape = full.shape
+    d: list[int] = []
+    chunk_of: list[dict[tuple[int, int], int]] = []
+    for i, size in enumerate(shape):
+        ranges = sorted({p.indmap[i] for p in held.values()})
+        k = len(ranges)
+        if size % k:
+            return None
+        step = size // k
+        if ranges != [(j * step, (j + 1) * step) for j in range(k)]:
+            return None
+        d.append(k)
+        chunk_of.append({r: j for j, r in enumerate(ranges)})
+    values = {p.valmap for p in held.values()}
+    v = next(iter(values))[1]
+    if values != {(j, v) for j in range(v)}:
+        return None
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for device in sorted(held):
+        p = held[device]
+        key = (p.valmap[0], *(chunk_of[i][p.indmap[i]] for i in range(len(shape))))
+        groups.setdefault(key, []).append(device)
+    if len(groups) != v * math.prod(d):
+        return None
+    sizes = {len(devices) for devices in groups.values()}
+    if len(sizes) != 1:
+        return None
+    r = sizes.pop()
+    counts = (r, v, *d)
+    order = [0] * (r * len(groups))
+    for key, devices in groups.items():
+        for replica, device in enumerate(devices):
+            order[ravel((replica, *key), counts)] = device
+    return Layout(shape=shape, r=r, v=v, d=tuple(d), devices=tuple(order))
+
+
+def part_piece(x: SubTensor, layout: AnnoLayout | None, num: int, part: int) -> SubTensor:
+    """The piece of ``x`` that part ``part`` of a ``num``-way split reads or writes, as
+    :meth:`IRGraph.partition <nnscaler.graph.IRGraph.partition>` cuts it."""
+    if isinstance(layout, Split):
+        return x.split(layout.dim, num)[part]
+    if isinstance(layout, ValuePartial):
+        return x.value_split(num)[part]
+    return x
+
+
+def _itemsize(full: FullTensor) -> int:
+    return full.dtype.itemsize
+
+
+def adapter_cost(full: FullTensor, src: Layout | None, dst: Layout | None, *,
+                 grad: bool) -> tuple[float, Plan | None]:
+    """Bytes moved by the busiest device to bring ``full`` from ``src`` to ``dst``
+    (forward, plus the adjoint when ``grad``), and the plan.
+
+    Without a layout on one side (pieces that form no RVD layout) the estimate is the
+    bytes of the whole tensor, each way, and the plan is ``None``.
+    """
+    if src is None or dst is None:
+        once = full.numel * _itemsize(full)
+        return (2 * once if grad else once), None
+    if src == dst:
+        return 0.0, Plan(src=src, dst=dst)
+    p = plan(src, dst)
+    cost = p.cost_bytes(_itemsize(full))
+    if grad and p.steps:
+        cost += p.adjoint().cost_bytes(_itemsize(full))
+    return cost, p
+
+
+def redundant_bytes(full: FullTensor, layout: Layout) -> float:
+    """Bytes of ``full`` held beyond one copy when every device holds its piece of
+    ``layout`` (value parts count as whole pieces): 0 when sharded, ``(n-1)`` copies
+    when replicated on ``n`` devices."""
+    return float((layout.piece_numel * layout.ndevices - full.numel) * _itemsize(full))
+
+
+@attrs.frozen(eq=False)
+class Adapter:
+    """Where the instances of ``op`` (``None``: the graph's output) read ``tensor`` in
+    layout ``dst`` but it is held in ``src``. ``plan`` is ``None`` when the pieces form no
+    RVD layout (then ``cost`` is the whole tensor's bytes, an estimate). ``cost`` is in
+    bytes for the busiest device, forward plus backward when gradients flow."""
+
+    op: Op | None
+    tensor: FullTensor
+    src: Layout | None
+    dst: Layout | None
+    plan: Plan | None
+    cost: float
+
+    @property
+    def primitives(self) -> tuple[str, ...]:
+        return () if self.plan is None else self.plan.names
+
+    def __str__(self) -> str:
+        where = "output" if self.op is None else f"op #{self.op.oid} {self.op.name}"
+        how = "+".join(self.primitives) or "irregular move"
+        return f"{where}: {self.tensor} {self.src} -> {self.dst} via {how} ({self.cost:g} B)"
+
+
+def _groups(graph: IRGraph) -> list[tuple[Op, list[Op]]]:
+    """The instances of each op (by origin), in program order of their first instance."""
+    by_origin: dict[Op, list[Op]] = {}
+    for op in graph.ops:
+        by_origin.setdefault(graph.origin(op), []).append(op)
+    return list(by_origin.items())
+
+
+def adapters(graph: IRGraph, ndevices: int) -> list[Adapter]:
+    """Every adapter a planned graph needs on a scale unit of ``ndevices`` devices, in
+    program order (see the module docstring). Every op instance must be assigned."""
+    held: dict[FullTensor, Layout | None] = {}
+    written: dict[FullTensor, list[tuple[int, SubTensor]]] = {}
+    for op in graph.ops:
+        if op.device is None:
+            raise ValueError(f"adapters: {graph.describe(op)} is not assigned to a device; "
+                             f"cost a complete plan (graph.check(ndevices) passes)")
+        for piece in op.output_tensors():
+            written.setdefault(piece.full, []).append((op.device, piece))
+    found: list[Adapter] = []
+    seen: set[tuple[int, int, Layout | None]] = set()
+
+    def source(full: FullTensor, need: Layout | None) -> Layout | None:
+        if full not in held:
+            if full.kind is TensorKind.INPUT:
+                held[full] = replicated(full, ndevices)
+            elif full.is_leaf:  # canonical: the first consumer's layout
+                held[full] = None if need is None else need.replicated()
+            else:
+                held[full] = layout_of(written.get(full, []))
+        return held[full]
+
+    def read(op: Op | None, full: FullTensor, need: Layout | None, grad: bool) -> None:
+        key = (-1 if op is None else op.oid, full.tid, need)
+        if key in seen:
+            return
+        seen.add(key)
+        src = source(full, need)
+        cost, p = adapter_cost(full, src, need, grad=grad)
+        if p is None or p.steps:
+            found.append(Adapter(op, full, src, need, p, cost))
+
+    for origin, instances in _groups(graph):
+        reads = [inst.input_tensors() for inst in instances]
+        for j in range(len(reads[0])):
+            pieces = [(inst.device, r[j]) for inst, r in zip(instances, reads) if j < len(r)]
+            full = pieces[0][1].full
+            grad = full.requires_grad and not origin.no_grad
+            read(origin, full, layout_of(pieces), grad)
+    for piece in graph.output_tensors():
+        if not piece.full.is_leaf:
+            read(None, piece.full, replicated(piece.full, ndevices), piece.full.requires_grad)
+    return found
+
+
+def total_cost(found: Sequence[Adapter]) -> float:
+    """The bytes all ``found`` adapters move (busiest device, summed)."""
+    return float(sum(a.cost for a in found))
+
+
+def transform_pieces(op: Op, t: Transform | None, num: int, part: int) -> list[SubTensor]:
+    """The pieces part ``part`` of ``op`` reads, in :meth:`Op.input_tensors` order, when
+    ``op`` is split by ``t`` in ``num`` parts (``None``: replicated). Tensors nested in a
+    list or passed as keyword arguments are read whole, as ``partition`` leaves them."""
+    out: list[SubTensor] = []
+    for k, x in enumerate(op.inputs):
+        if isinstance(x, SubTensor):
+            out.append(x if t is None else part_piece(x, t.inputs[k], num, part))
+        else:
+            out.extend(tensors_in(x))
+    out.extend(tensors_in(dict(op.kwargs)))
+    return out
