@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +94,23 @@ def linear_rules(bound: BoundAnno) -> list[TransformRule]:
             inputs=(Split(last), Split(1), ValuePartial()), outputs=(ValuePartial(),)
         )
     ]
+
+
+def _bias_rule(mat1_dim: int, mat2_dim: int) -> Callable[[BoundAnno], list[TransformRule]]:
+    """``input + mat1 @ mat2`` (addmm, baddbmm, addmv): the contraction splits with
+    ``input`` on part 0 only, as for linear's bias."""
+
+    def rules(bound: BoundAnno) -> list[TransformRule]:
+        if bound.input_shapes[0] is None:
+            return []
+        return [
+            TransformRule(
+                inputs=(ValuePartial(), Split(mat1_dim), Split(mat2_dim)),
+                outputs=(ValuePartial(),),
+            )
+        ]
+
+    return rules
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, str]:
@@ -691,10 +708,12 @@ def register(registry: OpRegistry) -> None:
     mk = ("m", "k"), ("k", "n")
     bmk = ("b", "m", "k"), ("b", "k", "n")
     r(torch.addmm, addmm_anno, name="torch.addmm", aliases=(T.addmm,),
+      transform_rules=_bias_rule(1, 0),
       input_gen_fn=_gen_add_product(mk, ("m", "n"), False))
     r(T.addmm_, addmm_anno, name="torch.Tensor.addmm_",
       input_gen_fn=_gen_add_product(mk, ("m", "n"), True))
     r(torch.baddbmm, baddbmm_anno, name="torch.baddbmm", aliases=(T.baddbmm,),
+      transform_rules=_bias_rule(2, 1),
       input_gen_fn=_gen_add_product(bmk, ("b", "m", "n"), False))
     r(T.baddbmm_, baddbmm_anno, name="torch.Tensor.baddbmm_",
       input_gen_fn=_gen_add_product(bmk, ("b", "m", "n"), True))
@@ -703,6 +722,7 @@ def register(registry: OpRegistry) -> None:
     r(T.addbmm_, addbmm_anno, name="torch.Tensor.addbmm_",
       input_gen_fn=_gen_add_product(bmk, ("m", "n"), True))
     r(torch.addmv, addmv_anno, name="torch.addmv", aliases=(T.addmv,),
+      transform_rules=_bias_rule(1, 0),
       input_gen_fn=_gen_add_product((("n", "k"), ("k",)), ("n",), False))
     r(T.addmv_, addmv_anno, name="torch.Tensor.addmv_",
       input_gen_fn=_gen_add_product((("n", "k"), ("k",)), ("n",), True))

@@ -162,3 +162,19 @@ def test_grouped_mm(registry):
     assert anno(registry, torch._grouped_mm, x, w, offs, torch.zeros(2, 12)) == (
         "s^ (k^ 4^), e^ (k^ 4^) (n^ 4^), e^, ? -> s^ (n^ 4^)"
     )
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (torch.addmm, lambda: (randn(6), randn(4, 8), randn(8, 6))),
+        (torch.addmm, lambda: (randn(4, 6), randn(4, 8), randn(8, 6))),
+        (torch.baddbmm, lambda: (randn(2, 4, 6), randn(2, 4, 8), randn(2, 8, 6))),
+        (torch.addmv, lambda: (randn(4), randn(4, 8), randn(8))),
+    ],
+)
+def test_add_products_split_the_contraction_with_input_on_one_part(registry, fn, args):
+    """GPT-2's Conv1D is addmm(bias, x, w): its row split keeps the bias once."""
+    done = verify_op(registry.lookup(fn), args())
+    row = [t for t in done if t.ident == "k"]
+    assert row and all(t.inputs[0] == ValuePartial() for t in row)
