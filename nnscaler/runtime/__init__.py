@@ -38,3 +38,9 @@ from nnscaler.runtime.groups import (
 )
 from nnscaler.runtime.reducer import Bucket, Reducer, ReducerHook
 from nnscaler.runtime.zero import ZeroGroups, zero_groups
+
+# isort: split
+# generated code's runtime: the module base class, the boundary functions, adapters
+from nnscaler.runtime import boundary
+from nnscaler.runtime.boundary import Adapter
+from nnscaler.runtime.module import AttrMeta, ParallelModule, ParallelModuleError

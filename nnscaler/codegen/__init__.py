@@ -1,0 +1,42 @@
+"""Code generation: a planned graph to one readable torch program per runtime rank.
+
+- :func:`build_program`: the analysis shared by all ranks (tensor layouts, adapters in one
+  global order, parameter holders, process groups); raises for plans it cannot emit;
+- :func:`generate_rank` / :func:`generate`: the source of ``gencode{rank}.py``;
+- :func:`emit_files`: every rank's file and ``fullmodel.pt``, written atomically;
+- :func:`load_generated_class`: import a rank's ``GenModel``.
+
+See ``docs/codegen.md`` for what the generated code looks like and
+``docs/internals/parallel-runtime.md`` for the contract it implements.
+"""
+
+from nnscaler.codegen.emit import describe_plan, generate, generate_rank
+from nnscaler.codegen.errors import CodegenError
+from nnscaler.codegen.files import (
+    FULLMODEL,
+    emit_files,
+    full_state,
+    gencode_name,
+    load_generated_class,
+    load_generated_module,
+)
+from nnscaler.codegen.layouts import Placed, to_layout
+from nnscaler.codegen.program import AdapterSpec, Program, build_program
+
+__all__ = [
+    "FULLMODEL",
+    "AdapterSpec",
+    "CodegenError",
+    "Placed",
+    "Program",
+    "build_program",
+    "describe_plan",
+    "emit_files",
+    "full_state",
+    "gencode_name",
+    "generate",
+    "generate_rank",
+    "load_generated_class",
+    "load_generated_module",
+    "to_layout",
+]

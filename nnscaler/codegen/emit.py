@@ -1,0 +1,366 @@
+"""Write ``gencode{rank}.py``: the program of one runtime rank, as readable torch code.
+
+The file holds module-level adapters (``ADAPTER_3 = Adapter(src, dst, shape=...)`` with a
+comment naming the primitives) and one class ``GenModel(ParallelModule)``: class
+attributes (rank, plan and runtime sizes, the process groups every rank creates, the
+reducer options), ``__init__`` registering this rank's piece of every parameter, buffer
+and constant under a name taken from its module path, and ``_forward_impl`` with this
+rank's ops in program order, each under a ``# file:line  code`` comment. See
+``docs/codegen.md`` and ``docs/internals/parallel-runtime.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+from nnscaler.codegen.calls import CallSource, call_source
+from nnscaler.codegen.errors import CodegenError
+from nnscaler.codegen.layouts import shifted
+from nnscaler.codegen.literals import Code, literal
+from nnscaler.codegen.program import AdapterSpec, OpStep, Program
+from nnscaler.graph.ops import MULTIREF_NAME
+from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
+from nnscaler.layout import Plan
+from nnscaler.layout import plan as make_plan
+
+_INDENT = "    "
+_BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
+
+
+def describe_plan(plan: Plan) -> str:
+    """``all_gather(dim=0) over [0, 1]; chunk(dim=1) over [0, 1]``."""
+    parts = []
+    for step in plan.steps:
+        args = ", ".join(f"{k}={v!r}" for k, v in step.params if k not in _BIG_PARAMS)
+        groups = ", ".join(
+            f"[{', '.join(map(str, g.src))}]" if g.src == g.dst
+            else f"[{', '.join(map(str, g.src))}] -> [{', '.join(map(str, g.dst))}]"
+            for g in step.groups
+        )
+        parts.append(f"{step.name}({args}) over {groups}")
+    return "; ".join(parts)
+
+
+def _is_plain(tree: Any) -> bool:
+    """Only lists, tuples (not named) and dicts with literal keys around the leaves."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return False
+    if type(tree) in (list, tuple):
+        return all(_is_plain(x) for x in tree)
+    if type(tree) is dict:
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in tree.items())
+    return pytree.tree_is_leaf(tree)
+
+
+def _target(tree: Any) -> str | None:
+    """An assignment target for a tree of tuples/lists of names, or None."""
+    if isinstance(tree, Code):
+        return tree.text
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields") and tree:
+        inner = [_target(x) for x in tree]
+        if any(x is None for x in inner):
+            return None
+        return f"({inner[0]},)" if len(inner) == 1 else f"({', '.join(inner)})"  # type: ignore[arg-type]
+    return None
+
+
+class _Rank:
+    """Writes the file of one runtime rank."""
+
+    def __init__(self, p: Program, rank: int) -> None:
+        self.p = p
+        self.rank = rank
+        self.device = rank % p.plan_ngpus
+        self.unit = rank // p.plan_ngpus
+        self.offset = self.unit * p.plan_ngpus
+        self.imports: set[str] = set()
+        self.defs: list[str] = []
+        self.used: set[str] = set()  # local variables read
+        self.adapters: list[AdapterSpec] = []
+        self.anchors: list[str] = []
+
+    # -- variables ----------------------------------------------------------------------
+    def source_var(self, full: FullTensor) -> str:
+        """The variable of this device's piece of ``full`` where it is produced or held."""
+        leaf = self.p.leaves.get(full)
+        if leaf is not None and full.kind is TensorKind.INPUT:
+            self.used.add(leaf.name)
+            return leaf.name
+        if leaf is not None:
+            if self.device not in leaf.layout.devices:
+                raise CodegenError(f"internal error: device {self.device} reads {full} directly "
+                                   f"but does not hold it ({leaf.layout})")
+            return f"self.{leaf.name}"
+        return self.p.variables[full]
+
+    def read_var(self, step: OpStep, k: int) -> str:
+        read = step.reads[k]
+        if read.adapter is not None:
+            return read.adapter.result
+        return self.source_var(read.full)
+
+    # -- statements ---------------------------------------------------------------------
+    def adapter_lines(self, spec: AdapterSpec) -> list[str]:
+        if not spec.takes_part(self.device):
+            return []
+        self.adapters.append(spec)
+        arg = self.source_var(spec.full) if self.device in spec.src.devices else "None"
+        if self.device not in spec.dst.devices and spec.requires_grad:
+            self.anchors.append(spec.result)
+        return [f"{spec.result} = ADAPTER_{spec.index}({arg})"]
+
+    def op_lines(self, step: OpStep, op: Op) -> list[str]:
+        where = self.p.graph.describe(op)
+        counter = iter(range(len(step.reads)))
+
+        def to_code(x: Any) -> Any:
+            if isinstance(x, SubTensor):
+                return Code(self.read_var(step, next(counter)))
+            return x
+
+        inputs = pytree.tree_map(to_code, list(op.inputs))
+        kwargs = pytree.tree_map(to_code, dict(op.kwargs))
+        if op.opdef is not None and op.opdef.name == MULTIREF_NAME:
+            times = int(op.kwargs.get("times", len(op.outputs)))
+            call = CallSource(", ".join([literal(inputs[0])] * times))
+        else:
+            call = call_source(op, inputs, kwargs, where=where)
+        self.imports.update(call.imports)
+        self.defs.extend(d for d in call.defs if d not in self.defs)
+        lines = list(call.stmts)
+        lines += self.assign(op, call.expr, statement=bool(call.stmts))
+        produced = {t.full for t in tensors_in(op.outputs)}
+        reads = {r.full: k for k, r in enumerate(step.reads)}
+        for before, after in op.mutations:
+            if after.full in produced:
+                continue
+            k = reads.get(before.full)
+            src = self.read_var(step, k) if k is not None else self.source_var(before.full)
+            lines.append(f"{self.p.variables[after.full]} = {src}")
+        return lines
+
+    def assign(self, op: Op, expr: str, *, statement: bool = False) -> list[str]:
+        """``expr`` assigned to the op's output variables (``statement``: the op was a
+        statement, ``expr`` only names what it changed)."""
+        names = [Code(self.p.variables[x.full]) if isinstance(x, SubTensor) else Code("_")
+                 for x in op.outputs]
+        if all(n.text == "_" for n in names):
+            return [] if statement else [expr]
+        tree = pytree.tree_unflatten(names, op.output_spec)
+        target = _target(tree)
+        if target is not None:
+            if target.startswith("(") and target.endswith(")") and not target.endswith(",)"):
+                target = target[1:-1]
+            return [f"{target} = {expr}"]
+        lines = [f"_out = {expr}"]
+        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, Code) and leaf.text != "_":
+                lines.append(f"{leaf.text} = _out{pytree.keystr(path)}")
+        return lines
+
+    @staticmethod
+    def comment(op: Op) -> str:
+        if op.source_file:
+            code = " ".join(op.code.split())
+            text = f"# {os.path.basename(op.source_file)}:{op.source_line}"
+            return f"{text}  {code}" if code else text
+        return f"# {op.name}"
+
+    # -- the forward --------------------------------------------------------------------
+    def forward_body(self) -> list[str]:
+        blocks: list[tuple[bool, list[str]]] = []  # (no_grad, lines)
+
+        def add(no_grad: bool, lines: list[str]) -> None:
+            if not lines:
+                return
+            if blocks and blocks[-1][0] == no_grad:
+                blocks[-1][1].extend(lines)
+            else:
+                blocks.append((no_grad, list(lines)))
+
+        last_comment = ""
+        for step in self.p.steps:
+            lines: list[str] = []
+            for spec in step.adapters:
+                lines += self.adapter_lines(spec)
+            op = step.instances.get(self.device)
+            if op is not None:
+                note = self.comment(op)
+                if note != last_comment:
+                    lines.append(note)
+                    last_comment = note
+                lines += self.op_lines(step, op)
+            add(step.no_grad, lines)
+        out_lines: list[str] = []
+        for spec in self.p.output_adapters:
+            out_lines += self.adapter_lines(spec)
+        prologue = self.prologue()
+        out_lines.append(f"return {self.returned()}")
+        body = list(prologue)
+        for no_grad, lines in blocks:
+            if no_grad:
+                body.append("with torch.no_grad():")
+                body += [_INDENT + line for line in lines]
+            else:
+                body += lines
+        body += out_lines
+        return body
+
+    def prologue(self) -> list[str]:
+        lines = []
+        training = not self.p.inference_only
+        for full, leaf in self.p.leaves.items():
+            if full.kind is not TensorKind.INPUT:
+                continue
+            grad = training and full.requires_grad and self.p.plan_ngpus > 1
+            if leaf.name not in self.used and not grad:
+                continue
+            if grad:
+                ranks = list(self.p.unit_ranks(self.unit))
+                lines.append(f"{leaf.name} = boundary.input({leaf.access}, ranks={ranks})")
+                if leaf.name not in self.used:
+                    self.anchors.append(leaf.name)
+            elif leaf.name != leaf.access:
+                lines.append(f"{leaf.name} = {leaf.access}")
+        return lines
+
+    def returned(self) -> str:
+        p = self.p
+        by_full = {o.full: o for o in p.outputs}
+        anchors = self.anchors if not p.inference_only else []
+        first_grad = next((o.full for o in p.outputs if o.full.requires_grad), None)
+
+        def leaf_code(x: Any) -> Any:
+            nonlocal anchors
+            if not isinstance(x, SubTensor):
+                return x
+            out = by_full[x.full]
+            var = out.adapter.result if out.adapter is not None else self.source_var(x.full)
+            first = self.device == out.layout.devices[0]
+            extra = ""
+            if anchors and x.full is first_grad:
+                extra = f", anchors=({', '.join(anchors)},)"
+                anchors = []
+            return Code(f"boundary.output({var}, first={first}{extra})")
+
+        tree = pytree.tree_map(leaf_code, p.graph.outputs)
+        if _is_plain(tree):
+            return literal(tree, where="the forward's outputs")
+        leaves, spec = pytree.tree_flatten(tree)
+        try:
+            dumped = pytree.treespec_dumps(spec)
+        except Exception as e:
+            raise CodegenError(
+                f"the forward returns {type(p.graph.outputs).__name__}, a structure generated "
+                f"code cannot rebuild ({e}); return tensors in tuples, lists or dicts"
+            ) from None
+        items = ", ".join(literal(x, where="the forward's outputs") for x in leaves)
+        return (f"torch.utils._pytree.tree_unflatten([{items}], "
+                f"torch.utils._pytree.treespec_loads({dumped!r}))")
+
+    # -- __init__ -----------------------------------------------------------------------
+    def init_lines(self) -> list[str]:
+        p = self.p
+        lines = []
+        for full in p.graph.tensors:
+            leaf = p.leaves.get(full)
+            if leaf is None or full.kind is TensorKind.INPUT:
+                continue
+            layout = leaf.layout
+            if self.device not in layout.devices:
+                continue
+            box = layout.box(self.device)
+            part = (layout.coords(self.device)[1], layout.v)
+            names = full.names
+            name = names[0] if names else f"__constants__.{full.name}"
+            fields = [repr(leaf.name), repr(name)]
+            if len(names) > 1:
+                fields.append(f"names={tuple(names)!r}")
+            fields.append(f"shape={tuple(full.shape)!r}")
+            fields.append(f"index={tuple(box)!r}")
+            if part != (0, 1):
+                fields.append(f"value={part!r}")
+            fields.append(f"dtype={literal(full.dtype)}")
+            if full.kind is TensorKind.PARAMETER:
+                fields.append(f"holders={p.holders(layout, self.device)!r}")
+                if not full.requires_grad:
+                    fields.append("requires_grad=False")
+                lines.append(f"self.add_param({', '.join(fields)})")
+            elif full.kind is TensorKind.BUFFER:
+                if not full.persistent:
+                    fields.append("persistent=False")
+                lines.append(f"self.add_buffer({', '.join(fields)})")
+            else:
+                lines.append(f"self.add_constant({', '.join(fields)})")
+        return lines
+
+    # -- the file -----------------------------------------------------------------------
+    def source(self) -> str:
+        p = self.p
+        body = self.forward_body()  # first: it collects adapters, imports and anchors
+        init = self.init_lines()
+        head = [
+            f'"""Generated by nnscaler: the program of rank {self.rank} of {p.runtime_ngpus} '
+            f"(device {self.device} of a {p.plan_ngpus}-device plan, scale unit {self.unit} of "
+            f'{p.nunits}).',
+            "",
+            "Do not edit: nnscaler.parallelize writes it again when the model or the plan "
+            "changes.",
+            '"""',
+            "",
+            "import torch",
+        ]
+        modules = sorted(m for m in self.imports if m != "torch" and m != "builtins")
+        head += [f"import {m}" for m in modules]
+        runtime = "Adapter, ParallelModule, boundary" if self.adapters else "ParallelModule, boundary"
+        head += ["", f"from nnscaler.runtime import {runtime}"]
+        for d in self.defs:
+            head += ["", "", d.rstrip()]
+        if self.adapters:
+            head.append("")
+        for spec in sorted(set(self.adapters), key=lambda s: s.index):
+            src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
+            plan = make_plan(src, dst)
+            head.append(f"# {spec.label}: {describe_plan(plan)}")
+            head.append(
+                f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
+                f"dtype={literal(spec.full.dtype)})"
+            )
+        cls = ["", "", "class GenModel(ParallelModule):"]
+        attrs_ = [
+            ("rank", self.rank),
+            ("plan_ngpus", p.plan_ngpus),
+            ("runtime_ngpus", p.runtime_ngpus),
+            ("end2end", p.end2end),
+            ("inference_only", p.inference_only),
+            ("process_groups", p.process_groups),
+            ("reducer_groups", p.reducer_groups),
+            ("reducer_config", p.reducer_config),
+        ]
+        cls += [f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_]
+        cls += ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
+                f"{_INDENT * 2}super().__init__(init_params)"]
+        cls += [_INDENT * 2 + line for line in init]
+        cls += [f"{_INDENT * 2}self._post_init(init_params)", ""]
+        params = ", ".join(["self", *(n if d is None else f"{n}={d}" for n, d in p.args)])
+        cls += [f"{_INDENT}def _forward_impl({params}):"]
+        cls += [_INDENT * 2 + line for line in body]
+        return "\n".join(head + cls) + "\n"
+
+
+def generate_rank(program: Program, rank: int) -> str:
+    """The source of ``gencode{rank}.py``."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < program.runtime_ngpus:
+        raise CodegenError(
+            f"rank must be an int in [0, {program.runtime_ngpus}) (runtime_ngpus is "
+            f"{program.runtime_ngpus}), got {rank!r}; generate the file of a rank of the job"
+        )
+    return _Rank(program, rank).source()
+
+
+def generate(program: Program) -> dict[int, str]:
+    """The source of every rank's file, by rank."""
+    return {rank: generate_rank(program, rank) for rank in range(program.runtime_ngpus)}

@@ -1,0 +1,65 @@
+"""The process groups every rank creates, and the parameter holder sets.
+
+``torch.distributed.new_group`` is collective over the whole job, so every generated
+file carries the same list, in the same order: the groups of every adapter (forward and
+backward) in every scale unit, the scale units themselves when an input needs its
+gradient summed, and the reducers' groups (ZeRO's sub-groups included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from nnscaler.codegen.errors import CodegenError
+from nnscaler.codegen.layouts import shifted
+from nnscaler.ir import TensorKind
+from nnscaler.layout import plan as make_plan
+from nnscaler.runtime.adapters import plan_groups
+from nnscaler.runtime.zero import zero_groups
+
+if TYPE_CHECKING:
+    from nnscaler.codegen.program import Program
+
+
+def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The process groups every rank creates (same list, same order, on every rank), and
+    the holder sets of the parameters (one reducer each), in a global order."""
+    groups: list[tuple[int, ...]] = []
+
+    def add(ranks: Sequence[int]) -> None:
+        key = tuple(sorted(ranks))
+        if len(key) > 1 and key not in groups:
+            groups.append(key)
+
+    for unit in range(p.nunits):
+        offset = unit * p.plan_ngpus
+        for spec in p.adapters:
+            shifted_plan = make_plan(shifted(spec.src, offset), shifted(spec.dst, offset))
+            for ranks in plan_groups(shifted_plan, grad="exact"):
+                add(ranks)
+    if any(f.requires_grad for f in p.leaves if f.kind is TensorKind.INPUT):
+        for unit in range(p.nunits):
+            add(p.unit_ranks(unit))
+    holder_sets: set[tuple[int, ...]] = set()
+    if not p.inference_only:
+        for leaf in p.leaves.values():
+            if leaf.kind is TensorKind.PARAMETER and leaf.full.requires_grad:
+                for device in leaf.layout.devices:
+                    holder_sets.add(p.holders(leaf.layout, device))
+    reducer_groups = sorted(holder_sets, key=lambda hs: (len(hs), hs))
+    ngroups = p.reducer_config["zero_ngroups"]
+    for hs in reducer_groups:
+        add(hs)
+        if p.reducer_config["use_zero"] and ngroups > 1 and len(hs) > 1:
+            if len(hs) % ngroups:
+                raise CodegenError(
+                    f"zero_ngroups={ngroups} must divide the number of ranks that hold each "
+                    f"parameter piece, but the ranks {list(hs)} hold some pieces together "
+                    f"({len(hs)} ranks); choose a zero_ngroups that divides {len(hs)}, or 1"
+                )
+            for rank in hs:
+                zg = zero_groups(hs, ngroups, rank)
+                add(zg.zero_ranks)
+                add(zg.cross_ranks)
+    return groups, reducer_groups

@@ -1,0 +1,492 @@
+"""The analysis behind code generation: what every device runs, in one global order.
+
+:func:`build_program` walks a planned graph once, for all ranks:
+
+- it groups the op instances into *steps*: consecutive instances of one traced op (one
+  instance per device at most);
+- it computes the layout of every tensor as its producers write it (leaves: parameters,
+  buffers and constants in their *canonical* layout, the one their first consumer wants
+  with value parts folded into replicas; forward inputs replicated on every device), and
+  the layout each step reads it in;
+- where the two differ it plans an adapter (:func:`nnscaler.layout.plan`), reusing an
+  earlier adapter of the same tensor to the same layout;
+- graph outputs are brought to ``R(plan_ngpus)`` (replicated on the whole scale unit);
+- it records the holders of every parameter piece and the process groups all ranks
+  create, in one order.
+
+:mod:`nnscaler.codegen.emit` then writes one file per rank from the result.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from nnscaler.codegen.errors import CodegenError
+from nnscaler.codegen.groups import process_groups
+from nnscaler.codegen.layouts import Placed, fold_values, replicated, restrict, to_layout
+from nnscaler.codegen.naming import Namer, identifier
+from nnscaler.graph import IRGraph, check_plan
+from nnscaler.graph.check import written_by
+from nnscaler.graph.graph import as_irgraph
+from nnscaler.ir import FullTensor, Graph, Op, TensorKind
+from nnscaler.layout import Layout, Plan
+from nnscaler.layout import plan as make_plan
+
+#: Names generated code uses at module level or as locals of every method.
+RESERVED = frozenset({
+    "self", "torch", "boundary", "Adapter", "ParallelModule", "nnscaler", "init_params",
+    "GenModel", "_out",
+})
+
+#: The reducer options a compute config may carry, with their defaults.
+REDUCER_DEFAULTS: dict[str, Any] = {
+    "use_zero": False,
+    "zero_ngroups": 1,
+    "use_async_reducer": False,
+    "reducer_bucket_cap_mb": 25.0,
+}
+
+
+@attrs.define(eq=False)
+class AdapterSpec:
+    """One layout change of one tensor: ``plan`` from ``src`` to ``dst`` (plan devices)."""
+
+    index: int
+    full: FullTensor
+    src: Layout
+    dst: Layout
+    plan: Plan
+    no_grad: bool
+    result: str  # the local variable of the result
+    label: str = ""  # what it moves, for the comment: the source variable or attribute
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.full.requires_grad and not self.no_grad
+
+    def takes_part(self, device: int) -> bool:
+        return device in self.src.devices or device in self.dst.devices
+
+
+@attrs.define(eq=False)
+class Read:
+    """A tensor an op step reads, in one slot: through ``adapter`` or directly."""
+
+    full: FullTensor
+    layout: Layout
+    adapter: AdapterSpec | None
+
+
+@attrs.define(eq=False)
+class OpStep:
+    """Consecutive instances of one traced op (at most one per device), the adapters to
+    run before them and what each input slot reads."""
+
+    origin: Op
+    instances: dict[int, Op]
+    adapters: list[AdapterSpec]
+    reads: list[Read]
+    no_grad: bool
+
+
+@attrs.define(eq=False)
+class Leaf:
+    """A parameter, buffer or constant (``name``: its attribute), or a forward input
+    (``name``: its local variable, ``access``: the expression on the forward's
+    arguments). ``layout`` is where its pieces live."""
+
+    full: FullTensor
+    layout: Layout
+    name: str
+    access: str = ""
+
+    @property
+    def kind(self) -> TensorKind:
+        return self.full.kind
+
+
+@attrs.define(eq=False)
+class Output:
+    """One graph output tensor, brought to ``layout`` (``R(plan_ngpus)``)."""
+
+    full: FullTensor
+    layout: Layout
+    adapter: AdapterSpec | None
+
+
+@attrs.define(eq=False)
+class Program:
+    """Everything :mod:`nnscaler.codegen.emit` needs to write any rank's file."""
+
+    graph: IRGraph
+    plan_ngpus: int
+    runtime_ngpus: int
+    end2end: bool
+    inference_only: bool
+    reducer_config: dict[str, Any]
+    args: list[tuple[str, str | None]]  # forward arguments: (name, default source or None)
+    steps: list[OpStep]
+    outputs: list[Output]
+    output_adapters: list[AdapterSpec]
+    leaves: dict[FullTensor, Leaf]  # params, buffers, constants (held) and inputs
+    variables: dict[FullTensor, str]  # activation -> local variable
+    adapters: list[AdapterSpec]
+    process_groups: list[tuple[int, ...]]
+    reducer_groups: list[tuple[int, ...]]
+
+    @property
+    def nunits(self) -> int:
+        return self.runtime_ngpus // self.plan_ngpus
+
+    def unit_ranks(self, unit: int) -> tuple[int, ...]:
+        return tuple(unit * self.plan_ngpus + d for d in range(self.plan_ngpus))
+
+    def holders(self, layout: Layout, device: int) -> tuple[int, ...]:
+        """The runtime ranks that hold the same piece as ``device`` does in ``layout``
+        (every replica, in every scale unit), sorted."""
+        box = layout.box(device)
+        same = [d for d in layout.devices if layout.box(d) == box]
+        return tuple(sorted(u * self.plan_ngpus + d for u in range(self.nunits) for d in same))
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CodegenError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def reducer_options(compute_config: Any) -> dict[str, Any]:
+    """The reducer options of ``compute_config`` (an object with the attributes, a
+    mapping, or None for the defaults)."""
+    out = dict(REDUCER_DEFAULTS)
+    if compute_config is None:
+        return out
+    for key in out:
+        if isinstance(compute_config, Mapping):
+            value = compute_config.get(key, out[key])
+        else:
+            value = getattr(compute_config, key, out[key])
+        out[key] = value
+    if not out["reducer_bucket_cap_mb"]:
+        out["reducer_bucket_cap_mb"] = REDUCER_DEFAULTS["reducer_bucket_cap_mb"]
+    out["use_zero"] = bool(out["use_zero"])
+    out["use_async_reducer"] = bool(out["use_async_reducer"])
+    out["zero_ngroups"] = _positive("zero_ngroups", out["zero_ngroups"])
+    out["reducer_bucket_cap_mb"] = float(out["reducer_bucket_cap_mb"])
+    return out
+
+
+def _runs(g: IRGraph) -> list[tuple[Op, list[Op]]]:
+    """Maximal runs of consecutive instances of one traced op."""
+    runs: list[tuple[Op, list[Op]]] = []
+    for op in g.ops:
+        origin = g.origin(op)
+        if runs and runs[-1][0] is origin:
+            runs[-1][1].append(op)
+        else:
+            runs.append((origin, [op]))
+    return runs
+
+
+def _forward_args(
+    g: IRGraph, signature: inspect.Signature | None, namer: Namer
+) -> list[tuple[str, str | None]]:
+    from nnscaler.codegen.literals import literal
+
+    traced = list(g.inputs)
+    if signature is None:
+        names = [(n, None) for n in traced]
+    else:
+        params = [p for p in signature.parameters.values() if p.name != "self"
+                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [n for n in traced if n not in {p.name for p in params}]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        if missing and not takes_any:
+            raise CodegenError(
+                f"the graph was traced with the forward arguments {traced}, but the given "
+                f"forward signature {signature} lacks {missing}; pass the signature of the "
+                f"traced module's forward"
+            )
+        names = []
+        for p in params:
+            if p.name in g.inputs:
+                names.append((p.name, None))
+                continue
+            try:  # not traced: the trace used the default; accept and ignore the argument
+                default = literal(p.default) if p.default is not p.empty else "None"
+            except CodegenError:
+                default = "None"
+            names.append((p.name, default))
+        names += [(n, None) for n in missing]  # taken by **kwargs: keyword arguments here
+    for name, _ in names:
+        if not name.isidentifier() or name in RESERVED:
+            raise CodegenError(
+                f"the forward argument {name!r} cannot be a parameter of the generated "
+                f"forward: generated code reserves the names {sorted(RESERVED)}. Rename the "
+                f"argument in the model's forward"
+            )
+        namer.reserve(name)
+    return names
+
+
+def build_program(
+    graph: Graph,
+    *,
+    plan_ngpus: int,
+    runtime_ngpus: int,
+    end2end: bool = False,
+    inference_only: bool = False,
+    compute_config: Any = None,
+    forward_signature: inspect.Signature | None = None,
+) -> Program:
+    """Analyse a planned, checked graph for code generation (see the module docstring).
+
+    Raises :class:`~nnscaler.graph.PlanCheckError` for an incomplete plan (an op not
+    assigned to a device of ``0 .. plan_ngpus - 1``, a piece nothing writes) and
+    :class:`CodegenError` for what code generation cannot do (pieces that do not form an
+    RVD layout, ``runtime_ngpus`` not a multiple of ``plan_ngpus``, ...).
+    """
+    plan_ngpus = _positive("plan_ngpus", plan_ngpus)
+    runtime_ngpus = _positive("runtime_ngpus", runtime_ngpus)
+    if runtime_ngpus % plan_ngpus:
+        raise CodegenError(
+            f"runtime_ngpus ({runtime_ngpus}) must be a multiple of plan_ngpus ({plan_ngpus}): "
+            f"the runtime repeats the plan's scale unit of {plan_ngpus} devices; use "
+            f"runtime_ngpus = k * {plan_ngpus}"
+        )
+    options = reducer_options(compute_config)
+    if not isinstance(graph, Graph):
+        raise TypeError(f"build_program takes a planned graph (an IRGraph a policy placed), "
+                        f"got {type(graph).__name__} {graph!r}")
+    g = as_irgraph(graph)
+    check_plan(g, plan_ngpus)
+    builder = _Builder(g, plan_ngpus, runtime_ngpus)
+    args = _forward_args(g, forward_signature, builder.namer)
+    builder.args = {name for name, _ in args}
+    builder.name_inputs()
+    steps = [builder.step(origin, insts, pos) for pos, (origin, insts) in enumerate(builder.runs)]
+    outputs, output_adapters = builder.outputs()
+    builder.name_held()
+    program = Program(
+        graph=g,
+        plan_ngpus=plan_ngpus,
+        runtime_ngpus=runtime_ngpus,
+        end2end=bool(end2end),
+        inference_only=bool(inference_only),
+        reducer_config=options,
+        args=args,
+        steps=steps,
+        outputs=outputs,
+        output_adapters=output_adapters,
+        leaves=builder.leaves,
+        variables=builder.variables,
+        adapters=builder.adapters,
+        process_groups=[],
+        reducer_groups=[],
+    )
+    program.process_groups, program.reducer_groups = process_groups(program)
+    return program
+
+
+class _Builder:
+    def __init__(self, g: IRGraph, plan_ngpus: int, runtime_ngpus: int) -> None:
+        self.g = g
+        self.n = plan_ngpus
+        self.runtime_ngpus = runtime_ngpus
+        self.namer = Namer(RESERVED)
+        self.args: set[str] = set()
+        self.leaves: dict[FullTensor, Leaf] = {}
+        self.variables: dict[FullTensor, str] = {}
+        self.adapters: list[AdapterSpec] = []
+        self._cache: dict[tuple[FullTensor, Layout, Layout, bool], AdapterSpec] = {}
+        self._produced: dict[FullTensor, Layout] = {}
+        self.writes: dict[FullTensor, list[Placed]] = {}
+        self.writers: dict[FullTensor, list[Op]] = {}
+        self.last_write: dict[FullTensor, int] = {}
+        self.runs = _runs(g)
+        for pos, (_, insts) in enumerate(self.runs):
+            for op in insts:
+                for piece, key in written_by(g, op):
+                    self.writes.setdefault(piece.full, []).append(
+                        Placed.of(op.device, piece, key))  # type: ignore[arg-type]
+                    self.writers.setdefault(piece.full, []).append(op)
+                    self.last_write[piece.full] = pos
+
+    # -- names ----------------------------------------------------------------------------
+    def name_inputs(self) -> None:
+        for piece in self.g.input_tensors():
+            full = piece.full
+            if full in self.leaves or full.kind is not TensorKind.INPUT:
+                continue
+            access = full.names[0] if full.names else full.name
+            # a top-level tensor argument is its own variable; a nested one gets a name
+            name = access if access in self.args else self.namer.new(identifier(access))
+            self.leaves[full] = Leaf(full, replicated(full.shape, range(self.n)), name, access)
+
+    def name_held(self) -> None:
+        """Attribute names for held leaves, in the graph's tensor order (so that every
+        rank names them alike, whatever it holds)."""
+        from nnscaler.runtime.module import ParallelModule
+
+        attrs_namer = Namer(set(dir(ParallelModule)) | RESERVED)
+        for full in self.g.tensors:
+            leaf = self.leaves.get(full)
+            if leaf is None or full.kind is TensorKind.INPUT:
+                continue
+            stem = full.names[0] if full.names else f"const_{full.tid}"
+            leaf.name = attrs_namer.new(identifier(stem))
+
+    def variable(self, full: FullTensor) -> str:
+        if full not in self.variables:
+            self.variables[full] = self.namer.new(f"t{full.tid}")
+        return self.variables[full]
+
+    def stem(self, full: FullTensor) -> str:
+        leaf = self.leaves.get(full)
+        if leaf is not None and full.kind is TensorKind.INPUT:
+            return leaf.name
+        if leaf is not None:
+            return identifier(full.names[0] if full.names else f"const_{full.tid}")
+        return self.variable(full)
+
+    # -- layouts --------------------------------------------------------------------------
+    def source(self, full: FullTensor, first_use: Layout | None, pos: int,
+               reader: str) -> Layout:
+        """Where ``full`` lives before ``reader`` (at run ``pos``) reads it."""
+        if full.kind is TensorKind.INPUT and full.version == 0:
+            return self.leaves[full].layout
+        if full.is_leaf:
+            leaf = self.leaves.get(full)
+            if leaf is None:
+                layout = fold_values(first_use) if first_use is not None \
+                    else replicated(full.shape, range(self.n))
+                leaf = Leaf(full, layout, "")
+                self.leaves[full] = leaf
+            return leaf.layout
+        if full not in self._produced:
+            writers = self.writers.get(full, [])
+            what = ("the op instances that write it (" + ", ".join(
+                f"#{w.oid} on device {w.device}" for w in writers[:8]) + ")") if writers \
+                else "no op"
+            self._produced[full] = to_layout(full, self.writes.get(full, []),
+                                             what=f"{full} as written by {what}")
+        if self.last_write.get(full, -1) >= pos:
+            raise CodegenError(
+                f"{reader} reads {full} before the last op instance that writes it has run "
+                f"(the instances of one op must be consecutive in program order); keep the "
+                f"instances that partition or replicate an op together"
+            )
+        return self._produced[full]
+
+    def adapter(self, full: FullTensor, src: Layout, dst: Layout,
+                no_grad: bool) -> tuple[AdapterSpec | None, bool]:
+        """The adapter from ``src`` to ``dst`` (None when every device of ``dst`` already
+        holds its piece), and whether it is new (not an earlier adapter reused)."""
+        src = restrict(src, dst.devices) or src
+        if src == dst:
+            return None, False
+        key = (full, src, dst, no_grad)
+        if key in self._cache:
+            return self._cache[key], False
+        plan = make_plan(src, dst)
+        if not plan.steps:
+            return None, False
+        index = len(self.adapters)
+        spec = AdapterSpec(index=index, full=full, src=src, dst=dst, plan=plan,
+                           no_grad=no_grad, result=self.namer.new(f"{self.stem(full)}_{index}"),
+                           label=self.stem(full))
+        self.adapters.append(spec)
+        self._cache[key] = spec
+        return spec, True
+
+    # -- steps ----------------------------------------------------------------------------
+    def step(self, origin: Op, insts: list[Op], pos: int) -> OpStep:
+        g = self.g
+        by_device: dict[int, Op] = {}
+        for op in insts:
+            device = op.device
+            if device in by_device:
+                raise CodegenError(
+                    f"two instances of {g.describe(origin)} run on device {device}: "
+                    f"{g.describe(by_device[device])} and {g.describe(op)}. A device runs at "
+                    f"most one instance of an op, so that it holds one piece of each tensor "
+                    f"(an RVD layout). Fix: assign the instances to different devices, or "
+                    f"partition the op into fewer parts"
+                )
+            by_device[device] = op  # type: ignore[index]
+        no_grad = all(op.no_grad for op in insts)
+        slots = [op.input_tensors() for op in insts]
+        nslots = len(slots[0])
+        if any(len(s) != nslots for s in slots):
+            raise CodegenError(f"the instances of {g.describe(origin)} read different numbers "
+                               f"of tensors; the op was edited inconsistently")
+        reads: list[Read] = []
+        adapters: list[AdapterSpec] = []
+        reader = g.describe(origin)
+        for k in range(nslots):
+            full = slots[0][k].full
+            if any(s[k].full is not full for s in slots):
+                raise CodegenError(f"the instances of {reader} read different tensors in "
+                                   f"input {k}; the op was edited inconsistently")
+            placed = [Placed.of(op.device, s[k]) for op, s in zip(insts, slots, strict=True)]  # type: ignore[arg-type]
+            dst = to_layout(full, placed, what=f"{reader} reads input {k}")
+            src = self.source(full, dst, pos, reader)
+            spec, new = self.adapter(full, src, dst, no_grad)
+            if new and spec is not None:
+                adapters.append(spec)
+            reads.append(Read(full, dst, spec))
+        self._check_mutations(origin, insts, reads)
+        for op in insts:
+            for t in op.output_tensors():
+                if not t.full.is_leaf:
+                    self.variable(t.full)
+        return OpStep(origin, by_device, adapters, reads, no_grad)
+
+    def _check_mutations(self, origin: Op, insts: list[Op], reads: list[Read]) -> None:
+        g = self.g
+        read_fulls = {r.full: r for r in reads}
+        for op in insts:
+            for before, _ in op.mutations:
+                r = read_fulls.get(before.full)
+                if r is None:
+                    if not all(p.is_whole for i in insts for p in
+                               (*i.input_tensors(), *i.output_tensors())):
+                        raise CodegenError(
+                            f"{g.describe(op)} writes {before.full} in place through a view, "
+                            f"which generated code follows only when every instance of the op "
+                            f"holds whole tensors; replicate the op (and the ops that made the "
+                            f"view) instead of partitioning it"
+                        )
+                    continue
+                if r.adapter is not None and before.full.kind in (
+                        TensorKind.PARAMETER, TensorKind.BUFFER) and before.full.version == 0:
+                    raise CodegenError(
+                        f"{g.describe(op)} updates the {before.full.kind.value} {before.full} in "
+                        f"place, but reads it in the layout {r.layout}, not in the layout the "
+                        f"module holds it in ({r.adapter.src}), so the update would be lost. "
+                        f"Fix: partition this op like the first op that reads "
+                        f"{before.full.name}, or replicate both"
+                    )
+
+    # -- outputs --------------------------------------------------------------------------
+    def outputs(self) -> tuple[list[Output], list[AdapterSpec]]:
+        outs: list[Output] = []
+        adapters: list[AdapterSpec] = []
+        seen: set[FullTensor] = set()
+        end = len(self.runs)
+        for piece in self.g.output_tensors():
+            full = piece.full
+            if full in seen:
+                continue
+            seen.add(full)
+            dst = replicated(full.shape, range(self.n))
+            src = self.source(full, dst, end, "the graph's output")
+            spec, new = self.adapter(full, src, dst, no_grad=False)
+            if new and spec is not None:
+                adapters.append(spec)
+            outs.append(Output(full, dst, spec))
+        return outs, adapters

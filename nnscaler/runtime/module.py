@@ -1,0 +1,382 @@
+"""``ParallelModule``: the base class of every generated ``GenModel``.
+
+A generated class sets the class attributes (``rank``, ``plan_ngpus``,
+``runtime_ngpus``, ``end2end``, ``inference_only``, ``process_groups``,
+``reducer_groups``, ``reducer_config``), registers this rank's piece of every parameter,
+buffer and constant with :meth:`~ParallelModule.add_param`,
+:meth:`~ParallelModule.add_buffer` and :meth:`~ParallelModule.add_constant`, and calls
+:meth:`~ParallelModule._post_init`, which loads the initial values from ``fullmodel.pt``
+beside the generated file, creates the process groups (every rank, the same list, in the
+same order) and one :class:`~nnscaler.runtime.Reducer` per set of ranks that hold the
+same parameter pieces.
+
+Gradients are summed, never averaged: over the devices of a scale unit (they hold shares
+of a replicated piece's gradient), over scale units (different samples) and over
+micro-batches in :meth:`~ParallelModule.train_step`. See ``docs/codegen.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from nnscaler.errors import NNScalerError
+from nnscaler.runtime.device import current_device
+from nnscaler.runtime.groups import ensure_groups
+from nnscaler.runtime.reducer import Reducer
+
+__all__ = ["AttrMeta", "ParallelModule", "ParallelModuleError"]
+
+FULLMODEL = "fullmodel.pt"
+
+
+class ParallelModuleError(NNScalerError, RuntimeError):
+    """A parallel module used in a way its generated program does not support."""
+
+
+@attrs.frozen(kw_only=True)
+class AttrMeta:
+    """What one attribute of a parallel module holds: a piece of an original tensor.
+
+    - ``attr``: the attribute name (``gpt_blocks_0_attn_q_proj_weight``);
+    - ``kind``: ``"parameter"``, ``"buffer"`` or ``"constant"`` (a tensor the model
+      captured, saved in ``fullmodel.pt`` under ``orig_name``);
+    - ``orig_name``: the original qualified name (``gpt.blocks.0.attn.q_proj.weight``) and
+      ``names``: all of them (tied parameters have several);
+    - ``shape``: the full tensor's shape; ``index``: the ``(start, stop)`` range per dim
+      of the piece; ``value``: ``(part, nparts)``, the piece holds one of ``nparts``
+      summands (``(0, 1)``: the value itself);
+    - ``holders``: the runtime ranks that hold the same piece (their gradients sum to its
+      gradient); ``persistent``: for buffers, whether it is in the state dict.
+    """
+
+    attr: str
+    kind: str
+    orig_name: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    index: tuple[tuple[int, int], ...]
+    value: tuple[int, int] = (0, 1)
+    dtype: torch.dtype
+    holders: tuple[int, ...] = ()
+    persistent: bool = True
+
+    @property
+    def slicers(self) -> tuple[slice, ...]:
+        """``index`` as slices of the full tensor."""
+        return tuple(slice(a, b) for a, b in self.index)
+
+    @property
+    def sub_shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.index)
+
+    @property
+    def val_chunks(self) -> int:
+        return self.value[1]
+
+
+def _first_output(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    if isinstance(out, dict) and out:
+        first = next(iter(out.values()))
+        if isinstance(first, torch.Tensor):
+            return first
+    raise ParallelModuleError(
+        f"train_step: the first output of an end2end module is its loss (a scalar tensor), "
+        f"but forward returned {type(out).__name__}; return the loss first"
+    )
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+class ParallelModule(torch.nn.Module):
+    """The base class of generated modules; see the module docstring."""
+
+    rank: int = 0
+    plan_ngpus: int = 1
+    runtime_ngpus: int = 1
+    end2end: bool = False
+    inference_only: bool = False
+    process_groups: Sequence[tuple[int, ...]] = ()
+    reducer_groups: Sequence[tuple[int, ...]] = ()
+    reducer_config: dict[str, Any] = {}  # noqa: RUF012 - set by each generated class
+
+    def __init__(self, init_params: bool = True) -> None:
+        super().__init__()
+        self.fullmap: dict[str, AttrMeta] = {}
+        self._reducers: list[Reducer] = []
+        self._device = current_device()
+
+    # -- registration (called by the generated __init__) --------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: where its pieces live (they start on
+        :func:`nnscaler.runtime.current_device` and follow ``.to()``)."""
+        for t in self.parameters():
+            return t.device
+        for t in self.buffers():
+            return t.device
+        return self._device
+
+    def _piece(self, shape: Sequence[int], index: Sequence[tuple[int, int]],
+               dtype: torch.dtype) -> torch.Tensor:
+        sub = tuple(b - a for a, b in index)
+        if len(sub) != len(tuple(shape)):
+            raise ParallelModuleError(f"a piece needs one (start, stop) range per dim of the "
+                                      f"full shape {tuple(shape)}, got {tuple(index)}")
+        return torch.empty(sub, dtype=dtype, device=self._device)
+
+    def _meta(self, kind: str, attr: str, name: str, names: Sequence[str] | None,
+              shape: Sequence[int], index: Sequence[tuple[int, int]], value: tuple[int, int],
+              dtype: torch.dtype, holders: Sequence[int], persistent: bool) -> None:
+        self.fullmap[attr] = AttrMeta(
+            attr=attr, kind=kind, orig_name=name, names=tuple(names or (name,)),
+            shape=tuple(shape), index=tuple((int(a), int(b)) for a, b in index),
+            value=(int(value[0]), int(value[1])), dtype=dtype,
+            holders=tuple(sorted(int(r) for r in holders)), persistent=persistent,
+        )
+
+    def add_param(self, attr: str, name: str, *, names: Sequence[str] | None = None,
+                  shape: Sequence[int], index: Sequence[tuple[int, int]],
+                  value: tuple[int, int] = (0, 1), dtype: torch.dtype,
+                  holders: Sequence[int], requires_grad: bool = True) -> None:
+        """Register this rank's piece of the parameter ``name`` as ``self.<attr>``."""
+        piece = torch.nn.Parameter(self._piece(shape, index, dtype), requires_grad=requires_grad)
+        self.register_parameter(attr, piece)
+        self._meta("parameter", attr, name, names, shape, index, value, dtype, holders, True)
+
+    def add_buffer(self, attr: str, name: str, *, names: Sequence[str] | None = None,
+                   shape: Sequence[int], index: Sequence[tuple[int, int]],
+                   value: tuple[int, int] = (0, 1), dtype: torch.dtype,
+                   persistent: bool = True) -> None:
+        """Register this rank's piece of the buffer ``name`` as ``self.<attr>``."""
+        self.register_buffer(attr, self._piece(shape, index, dtype), persistent=persistent)
+        self._meta("buffer", attr, name, names, shape, index, value, dtype, (), persistent)
+
+    def add_constant(self, attr: str, name: str, *, shape: Sequence[int],
+                     index: Sequence[tuple[int, int]], value: tuple[int, int] = (0, 1),
+                     dtype: torch.dtype) -> None:
+        """Register this rank's piece of a captured constant (saved in ``fullmodel.pt``
+        under ``name``) as a non-persistent buffer."""
+        self.register_buffer(attr, self._piece(shape, index, dtype), persistent=False)
+        self._meta("constant", attr, name, None, shape, index, value, dtype, (), False)
+
+    # -- start-up -----------------------------------------------------------------------
+    @classmethod
+    def generated_dir(cls) -> str:
+        """The directory of the generated file (where ``fullmodel.pt`` lies)."""
+        return os.path.dirname(os.path.abspath(inspect.getfile(cls)))
+
+    def _post_init(self, init_params: bool) -> None:
+        self._check_rank()
+        if init_params:
+            self._load_initial()
+        if self.process_groups:
+            ensure_groups(self.process_groups)
+        if not self.inference_only:
+            self._build_reducers()
+
+    def _check_rank(self) -> None:
+        name = type(self).__qualname__
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.runtime_ngpus != 1:
+                raise ParallelModuleError(
+                    f"{name} is the program of rank {self.rank} of {self.runtime_ngpus}, but "
+                    f"torch.distributed is not initialized. Launch {self.runtime_ngpus} "
+                    f"processes (torchrun --nproc-per-node {self.runtime_ngpus} ...) and call "
+                    f"nnscaler.runtime.init_distributed() first"
+                )
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != self.runtime_ngpus:
+            raise ParallelModuleError(
+                f"{name} was generated for runtime_ngpus={self.runtime_ngpus} processes, but "
+                f"the job has {world}; generate for {world} (ComputeConfig.runtime_ngpus) or "
+                f"launch {self.runtime_ngpus} processes"
+            )
+        if rank != self.rank:
+            raise ParallelModuleError(
+                f"{name} is the program of rank {self.rank}, but this process is rank {rank}; "
+                f"load gencode{rank}.py on rank {rank}"
+            )
+
+    def _load_initial(self) -> None:
+        path = os.path.join(self.generated_dir(), FULLMODEL)
+        if not os.path.exists(path):
+            raise ParallelModuleError(
+                f"init_params=True loads the initial values from {path}, which does not "
+                f"exist. Copy the generated directory with its {FULLMODEL} to this node, or "
+                f"construct with init_params=False and load a checkpoint"
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            for attr, meta in self.fullmap.items():
+                full = next((state[n] for n in (meta.orig_name, *meta.names) if n in state), None)
+                if full is None:
+                    raise ParallelModuleError(
+                        f"{path} has no entry for {meta.kind} {meta.orig_name!r} (held as "
+                        f"{attr}); the file does not belong to this generated code: generate "
+                        f"again"
+                    )
+                if tuple(full.shape) != meta.shape:
+                    raise ParallelModuleError(
+                        f"{path}: {meta.orig_name!r} has shape {tuple(full.shape)}, but the "
+                        f"generated code expects {meta.shape}; generate again"
+                    )
+                target = getattr(self, attr)
+                if meta.value[0] == 0:
+                    target.copy_(full[meta.slicers])
+                else:
+                    target.zero_()
+
+    def _build_reducers(self) -> None:
+        cfg = self.reducer_config
+        zero = bool(cfg.get("use_zero", False))
+        ngroups = int(cfg.get("zero_ngroups", 1))
+        async_op = bool(cfg.get("use_async_reducer", False))
+        cap = float(cfg.get("reducer_bucket_cap_mb") or 25.0)
+        by_holders: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        for attr, meta in self.fullmap.items():
+            p = getattr(self, attr)
+            if meta.kind == "parameter" and p.requires_grad:
+                by_holders.setdefault(meta.holders, []).append(p)
+        distributed = dist.is_available() and dist.is_initialized()
+        for holders in self.reducer_groups:
+            holders = tuple(holders)
+            group = None
+            if async_op and distributed and len(holders) > 1:
+                # a communicator of its own: async reductions launched from backward hooks
+                # must not interleave with the adapters' collectives on a shared group
+                group = dist.new_group(list(holders))
+            params = by_holders.get(holders, [])
+            if self.rank not in holders or not params:
+                continue
+            self._reducers.append(Reducer(
+                params, holders, bucket_cap_mb=cap, async_op=async_op, zero=zero,
+                zero_ngroups=ngroups if len(holders) > 1 else 1, process_group=group,
+            ))
+
+    # -- the optimizer's view -----------------------------------------------------------
+    @property
+    def reducers(self) -> list[Reducer]:
+        """The reducers of this rank, one per set of ranks holding the same pieces."""
+        return list(self._reducers)
+
+    def _managed(self) -> set[int]:
+        return {id(p) for r in self._reducers for p in r.params}
+
+    def parameters_for_optimizer(self) -> list[torch.nn.Parameter]:
+        """The tensors an optimizer updates: the reducers' (fp32 shards with ZeRO), then
+        any parameter no reducer manages."""
+        out: list[torch.nn.Parameter] = []
+        for r in self._reducers:
+            out += r.parameters_for_optimizer()
+        managed = self._managed()
+        out += [p for p in self.parameters() if p.requires_grad and id(p) not in managed]
+        return out
+
+    def sync_grad(self) -> None:
+        """Sum every parameter piece's gradient over the ranks that hold it (waits for
+        reductions the async reducer launched during backward)."""
+        for r in self._reducers:
+            r.sync_grads()
+
+    def gather_params(self) -> None:
+        """After ``optimizer.step()`` with ZeRO: all-gather the updated shards into the
+        parameters. A no-op without ZeRO."""
+        for r in self._reducers:
+            r.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the reducers' gradient buffers; other parameters' gradients become None
+        (or zero, with ``set_to_none=False``)."""
+        for r in self._reducers:
+            r.zero_grad()
+        managed = self._managed()
+        for p in self.parameters():
+            if id(p) in managed or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (the async reducer launches
+        nothing); :meth:`train_step` runs all micro-batches but the last inside it."""
+        with contextlib.ExitStack() as stack:
+            for r in self._reducers:
+                stack.enter_context(r.no_sync())
+            yield
+
+    # -- running ------------------------------------------------------------------------
+    def _forward_impl(self, *args: Any, **kwargs: Any) -> Any:
+        raise ParallelModuleError(f"{type(self).__qualname__} has no generated forward; use "
+                                  f"a class generated by nnscaler")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_impl(*args, **kwargs)
+
+    def train_step(
+        self,
+        samples: Sequence[Any],
+        is_dummy_batch: Sequence[bool] | None = None,
+        scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[Any]:
+        """One training step over the micro-batches ``samples`` (end2end modules).
+
+        Zeroes the gradients first, then runs forward and backward for each sample (the
+        first output is the loss; ``scale_fn`` scales it before backward; a dummy batch
+        contributes zero gradient). Gradients are summed over the micro-batches; call
+        :meth:`sync_grad` (``build_optimizer`` does) before ``optimizer.step()``.
+        Returns each sample's outputs, detached.
+        """
+        name = type(self).__qualname__
+        if not self.end2end:
+            raise ParallelModuleError(
+                f"train_step is for end2end modules (forward takes the sample and returns the "
+                f"loss first), but {name} was generated with end2end=False; call the module "
+                f"and backward yourself, or parallelize with ComputeConfig(use_end2end=True)"
+            )
+        if self.inference_only:
+            raise ParallelModuleError(f"{name} was generated for inference only; use "
+                                      f"infer_step, or generate with inference_only=False")
+        samples = list(samples)
+        if is_dummy_batch is not None and len(is_dummy_batch) != len(samples):
+            raise ParallelModuleError(
+                f"train_step: is_dummy_batch has {len(is_dummy_batch)} entries for "
+                f"{len(samples)} samples; give one flag per sample"
+            )
+        self.zero_grad()
+        outputs = []
+        for i, sample in enumerate(samples):
+            last = i == len(samples) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                out = self._forward_impl(sample)
+                loss = _first_output(out)
+                if is_dummy_batch is not None and is_dummy_batch[i]:
+                    loss = loss * 0.0
+                if scale_fn is not None:
+                    loss = scale_fn(loss)
+                loss.backward()
+            outputs.append(pytree.tree_map(_detach, out))
+        return outputs
+
+    def infer_step(self, samples: Sequence[Any]) -> list[Any]:
+        """Run forward on each sample without gradients; returns the outputs."""
+        with torch.no_grad():
+            return [self._forward_impl(sample) for sample in samples]
