@@ -6,6 +6,9 @@
 - :func:`emit_files`: every rank's file and ``fullmodel.pt``, written atomically;
 - :func:`load_generated_class`: import a rank's ``GenModel``.
 
+A graph cut into pipeline stages becomes one method per stage and the rank's schedule
+(:mod:`nnscaler.codegen.pipeline`, ``docs/pipeline.md``).
+
 See ``docs/codegen.md`` for what the generated code looks like and
 ``docs/internals/parallel-runtime.md`` for the contract it implements.
 """
@@ -21,12 +24,14 @@ from nnscaler.codegen.files import (
     load_generated_module,
 )
 from nnscaler.codegen.layouts import Placed, to_layout
+from nnscaler.codegen.pipeline import PipelineSettings
 from nnscaler.codegen.program import AdapterSpec, Program, build_program
 
 __all__ = [
     "FULLMODEL",
     "AdapterSpec",
     "CodegenError",
+    "PipelineSettings",
     "Placed",
     "Program",
     "build_program",

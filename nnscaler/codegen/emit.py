@@ -7,6 +7,10 @@ reducer options), ``__init__`` registering this rank's piece of every parameter,
 and constant under a name taken from its module path, and ``_forward_impl`` with this
 rank's ops in program order, each under a ``# file:line  code`` comment. See
 ``docs/codegen.md`` and ``docs/internals/parallel-runtime.md``.
+
+A pipelined program (``docs/pipeline.md``) has instead one method ``_stage_{s}`` per stage
+the rank runs, the rank's schedule as module-level ``SCHEDULE`` text and a ``pipeline``
+class attribute (:class:`nnscaler.runtime.pipeline.Pipeline`) for the executor.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.layouts import shifted
 from nnscaler.codegen.literals import Code, literal
+from nnscaler.codegen.pipeline import StagePlan
 from nnscaler.codegen.program import AdapterSpec, OpStep, Program
 from nnscaler.graph.ops import MULTIREF_NAME
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
@@ -81,6 +86,9 @@ class _Rank:
         self.used: set[str] = set()  # local variables read
         self.adapters: list[AdapterSpec] = []
         self.anchors: list[str] = []
+        self.pipe = p.pipeline
+        self.group = self.pipe.group_of(self.device) if self.pipe is not None else None
+        self.received: set[str] = set()  # variables a stage receives (pipelines)
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -90,7 +98,7 @@ class _Rank:
             self.used.add(leaf.name)
             return leaf.name
         if leaf is not None:
-            if self.device not in leaf.layout.devices:
+            if self.p.held_layout(leaf, self.device) is None:
                 raise CodegenError(f"internal error: device {self.device} reads {full} directly "
                                    f"but does not hold it ({leaf.layout})")
             return f"self.{leaf.name}"
@@ -171,6 +179,17 @@ class _Rank:
 
     # -- the forward --------------------------------------------------------------------
     def forward_body(self) -> list[str]:
+        blocks = self.steps_body(self.p.steps)
+        out_lines: list[str] = []
+        for spec in self.p.output_adapters:
+            out_lines += self.adapter_lines(spec)
+        prologue = self.prologue()
+        out_lines.append(f"return {self.returned()}")
+        return list(prologue) + _render(blocks) + out_lines
+
+    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool, list[str]]]:
+        """This device's lines of ``steps``: blocks of lines, each with or without
+        gradients."""
         blocks: list[tuple[bool, list[str]]] = []  # (no_grad, lines)
 
         def add(no_grad: bool, lines: list[str]) -> None:
@@ -182,7 +201,7 @@ class _Rank:
                 blocks.append((no_grad, list(lines)))
 
         last_comment = ""
-        for step in self.p.steps:
+        for step in steps:
             lines: list[str] = []
             for spec in step.adapters:
                 lines += self.adapter_lines(spec)
@@ -194,20 +213,7 @@ class _Rank:
                     last_comment = note
                 lines += self.op_lines(step, op)
             add(step.no_grad, lines)
-        out_lines: list[str] = []
-        for spec in self.p.output_adapters:
-            out_lines += self.adapter_lines(spec)
-        prologue = self.prologue()
-        out_lines.append(f"return {self.returned()}")
-        body = list(prologue)
-        for no_grad, lines in blocks:
-            if no_grad:
-                body.append("with torch.no_grad():")
-                body += [_INDENT + line for line in lines]
-            else:
-                body += lines
-        body += out_lines
-        return body
+        return blocks
 
     def prologue(self) -> list[str]:
         lines = []
@@ -215,7 +221,9 @@ class _Rank:
         for full, leaf in self.p.leaves.items():
             if full.kind is not TensorKind.INPUT:
                 continue
-            grad = training and full.requires_grad and self.p.plan_ngpus > 1
+            # a pipeline's sample is data: its gradient is not summed over the unit
+            grad = (training and full.requires_grad and self.p.plan_ngpus > 1
+                    and self.pipe is None)
             if leaf.name not in self.used and not grad:
                 continue
             if grad:
@@ -261,6 +269,152 @@ class _Rank:
         return (f"torch.utils._pytree.tree_unflatten([{items}], "
                 f"torch.utils._pytree.treespec_loads({dumped!r}))")
 
+    # -- pipeline stages ------------------------------------------------------------------
+    def held_pieces(self, fulls: list[FullTensor], stage: int) -> list[FullTensor]:
+        """The boundary tensors of which this device holds a piece on ``stage``."""
+        pipe = self.pipe
+        if pipe is None:
+            return []
+        return [f for f in fulls if self.device in pipe.view(f, stage).devices]
+
+    def piece(self, full: FullTensor, stage: int) -> str:
+        pipe = self.pipe
+        if pipe is None:
+            raise CodegenError("internal error: no pipeline")
+        box = pipe.view(full, stage).box(self.device)
+        shape = tuple(b - a for a, b in box)
+        grad = (full.requires_grad and not self.p.inference_only
+                and (full.dtype.is_floating_point or full.dtype.is_complex))
+        fields = [repr(self.p.variables[full]), repr(shape), literal(full.dtype)]
+        if grad:
+            fields.append("grad=True")
+        return f"Piece({', '.join(fields)})"
+
+    def stage_method(self, stage: StagePlan) -> list[str]:
+        pipe = self.pipe
+        if pipe is None:
+            raise CodegenError("internal error: no pipeline")
+        self.used = set()
+        self.anchors = []
+        received = self.held_pieces(stage.inputs, stage.index)
+        sent = self.held_pieces(stage.outputs, stage.index)
+        self.received = {self.p.variables[f] for f in received}
+        blocks = self.steps_body(stage.steps)
+        tail: list[str] = []
+        last = stage.index == pipe.last
+        if last:
+            for spec in self.p.output_adapters:
+                tail += self.adapter_lines(spec)
+            tail.append(f"return {self.returned()}")
+        else:
+            tail.append(f"return {self.stage_returned(stage, sent)}")
+        body = self.prologue() + self.clones(stage, received) + _render(blocks) + tail
+        args = [self.p.args[0][0], *(self.p.variables[f] for f in received)]
+        nstages = len(pipe.stages)
+        what = []
+        if received:
+            what.append(f"receives {', '.join(self.p.variables[f] for f in received)} from "
+                        f"stage {stage.index - 1}")
+        if last:
+            what.append("returns the module's outputs")
+        else:
+            shown = ", ".join(self.p.variables[f] for f in sent) or "nothing (on this device)"
+            what.append(f"sends {shown} to stage {stage.index + 1}")
+        doc = (f'"""Stage {stage.index} of {nstages}, on devices {list(stage.devices)} of the '
+               f'scale unit: {"; ".join(what)}."""')
+        return ([f"def _stage_{stage.index}(self, {', '.join(args)}):", _INDENT + doc]
+                + [_INDENT + line for line in body])
+
+    def clones(self, stage: StagePlan, received: list[FullTensor]) -> list[str]:
+        """A received tensor that the stage changes in place is cloned first (it is a
+        leaf of autograd on this rank)."""
+        mine = set(received)
+        written = []
+        for step in stage.steps:
+            op = step.instances.get(self.device)
+            if op is None:
+                continue
+            for before, _ in op.mutations:
+                if before.full in mine and before.full not in written:
+                    written.append(before.full)
+        return [f"{self.p.variables[f]} = {self.p.variables[f]}.clone()" for f in written]
+
+    def stage_returned(self, stage: StagePlan, sent: list[FullTensor]) -> str:
+        items = [self.p.variables[f] for f in sent]
+        anchors = self.anchors if not self.p.inference_only else []
+        if anchors:
+            k = next((i for i, f in enumerate(sent) if f.requires_grad), None)
+            if k is None:
+                raise CodegenError(
+                    f"stage {stage.index} on device {self.device} only sends some tensors "
+                    f"inside the stage ({', '.join(anchors)}) and sends no tensor that "
+                    f"requires grad to the next stage, so the gradients of what it sent "
+                    f"would never come back. Replicate the ops of the stage on all its "
+                    f"devices, or let the stage end with a tensor that requires grad"
+                )
+            items[k] = f"anchored({items[k]}, anchors=({', '.join(anchors)},))"
+        if len(items) == 1:
+            return f"({items[0]},)"
+        return f"({', '.join(items)})"
+
+    def pipeline_attr(self) -> list[str]:
+        p, pipe = self.p, self.pipe
+        if pipe is None or self.group is None:
+            raise CodegenError("internal error: no pipeline")
+        lane = pipe.lane_of(self.device)
+        mine = [st for st in pipe.stages if st.group == self.group]
+        stage_ranks = tuple(self.offset + pipe.groups[st.group][lane] for st in pipe.stages)
+        last = pipe.stages[pipe.last]
+        settings = pipe.settings
+
+        def pieces(which: str) -> str:
+            items = []
+            for st in mine:
+                fulls = self.held_pieces(getattr(st, which), st.index)
+                if not fulls:
+                    continue
+                listed = ", ".join(self.piece(f, st.index) for f in fulls)
+                items.append(f"{st.index}: ({listed},)")
+            return "{" + ", ".join(items) + "}"
+
+        fields = [
+            f"scheduler={settings.scheduler!r}",
+            f"nstages={pipe.nstages}",
+            f"nvirtual={pipe.nvirtual}",
+            f"nmicros={settings.nmicros}",
+            f"stages={tuple(st.index for st in mine)!r}",
+            f"stage_ranks={stage_ranks!r}",
+            f"inputs={pieces('inputs')}",
+            f"outputs={pieces('outputs')}",
+            f"output_rank={self.offset + last.devices[0]}",
+            f"unit_ranks={p.unit_ranks(self.unit)!r}",
+            "schedule=SCHEDULE",
+        ]
+        lines = [f"{_INDENT}pipeline = Pipeline("]
+        lines += [f"{_INDENT * 2}{f}," for f in fields]
+        lines.append(f"{_INDENT})")
+        return lines
+
+    def schedule_lines(self) -> list[str]:
+        from nnscaler.runtime.pipeline import schedule_lines
+
+        pipe = self.pipe
+        if pipe is None or self.group is None:
+            raise CodegenError("internal error: no pipeline")
+        settings = pipe.settings
+        mine = [str(st.index) for st in pipe.stages if st.group == self.group]
+        each = "stage" if pipe.nvirtual == 1 else "stages"
+        head = [
+            f"# {settings.scheduler} schedule: {pipe.nstages} pipeline devices x "
+            f"{pipe.nvirtual} {each} each, {settings.nmicros} micro-batches. This rank runs "
+            f"stage{'s' if len(mine) > 1 else ''} {', '.join(mine)};",
+            "# its actions in order (the messages of one line are posted together: one "
+            "batch_isend_irecv)",
+            'SCHEDULE = parse_schedule("""',
+        ]
+        body = [_INDENT + line for line in schedule_lines(pipe.schedule[self.group])]
+        return [*head, *body, '""")']
+
     # -- __init__ -----------------------------------------------------------------------
     def init_lines(self) -> list[str]:
         p = self.p
@@ -269,8 +423,8 @@ class _Rank:
             leaf = p.leaves.get(full)
             if leaf is None or full.kind is TensorKind.INPUT:
                 continue
-            layout = leaf.layout
-            if self.device not in layout.devices:
+            layout = p.held_layout(leaf, self.device)
+            if layout is None:
                 continue
             box = layout.box(self.device)
             part = (layout.coords(self.device)[1], layout.v)
@@ -285,7 +439,7 @@ class _Rank:
                 fields.append(f"value={part!r}")
             fields.append(f"dtype={literal(full.dtype)}")
             if full.kind is TensorKind.PARAMETER:
-                fields.append(f"holders={p.holders(layout, self.device)!r}")
+                fields.append(f"holders={p.leaf_holders(leaf, self.device)!r}")
                 if not full.requires_grad:
                     fields.append("requires_grad=False")
                 lines.append(f"self.add_param({', '.join(fields)})")
@@ -300,12 +454,27 @@ class _Rank:
     # -- the file -----------------------------------------------------------------------
     def source(self) -> str:
         p = self.p
-        body = self.forward_body()  # first: it collects adapters, imports and anchors
+        pipe = self.pipe
+        methods: list[str] = []
+        if pipe is None:
+            body = self.forward_body()  # first: it collects adapters, imports and anchors
+            params = ", ".join(["self", *(n if d is None else f"{n}={d}" for n, d in p.args)])
+            methods = [f"def _forward_impl({params}):", *(_INDENT + line for line in body)]
+        else:
+            for stage in pipe.stages:
+                if stage.group == self.group:
+                    methods += ["", *self.stage_method(stage)] if methods else \
+                        self.stage_method(stage)
         init = self.init_lines()
+        where = ""
+        if pipe is not None:
+            mine = [str(st.index) for st in pipe.stages if st.group == self.group]
+            where = (f": pipeline stage{'s' if len(mine) > 1 else ''} {', '.join(mine)} of "
+                     f"{len(pipe.stages)}")
         head = [
             f'"""Generated by nnscaler: the program of rank {self.rank} of {p.runtime_ngpus} '
             f"(device {self.device} of a {p.plan_ngpus}-device plan, scale unit {self.unit} of "
-            f'{p.nunits}).',
+            f'{p.nunits}){where}.',
             "",
             "Do not edit: nnscaler.parallelize writes it again when the model or the plan "
             "changes.",
@@ -317,6 +486,11 @@ class _Rank:
         head += [f"import {m}" for m in modules]
         runtime = "Adapter, ParallelModule, boundary" if self.adapters else "ParallelModule, boundary"
         head += ["", f"from nnscaler.runtime import {runtime}"]
+        if pipe is not None:
+            names = ["Piece", "Pipeline", "parse_schedule"]
+            if any("anchored(" in line for line in methods):
+                names.insert(0, "anchored")
+            head.append(f"from nnscaler.runtime.pipeline import {', '.join(names)}")
         for d in self.defs:
             head += ["", "", d.rstrip()]
         if self.adapters:
@@ -329,6 +503,8 @@ class _Rank:
                 f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
                 f"dtype={literal(spec.full.dtype)})"
             )
+        if pipe is not None:
+            head += ["", *self.schedule_lines()]
         cls = ["", "", "class GenModel(ParallelModule):"]
         attrs_ = [
             ("rank", self.rank),
@@ -341,14 +517,25 @@ class _Rank:
             ("reducer_config", p.reducer_config),
         ]
         cls += [f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_]
+        if pipe is not None:
+            cls += self.pipeline_attr()
         cls += ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
                 f"{_INDENT * 2}super().__init__(init_params)"]
         cls += [_INDENT * 2 + line for line in init]
         cls += [f"{_INDENT * 2}self._post_init(init_params)", ""]
-        params = ", ".join(["self", *(n if d is None else f"{n}={d}" for n, d in p.args)])
-        cls += [f"{_INDENT}def _forward_impl({params}):"]
-        cls += [_INDENT * 2 + line for line in body]
+        cls += [_INDENT + line if line else "" for line in methods]
         return "\n".join(head + cls) + "\n"
+
+
+def _render(blocks: list[tuple[bool, list[str]]]) -> list[str]:
+    body: list[str] = []
+    for no_grad, lines in blocks:
+        if no_grad:
+            body.append("with torch.no_grad():")
+            body += [_INDENT + line for line in lines]
+        else:
+            body += lines
+    return body
 
 
 def generate_rank(program: Program, rank: int) -> str:

@@ -3,7 +3,8 @@
 ``torch.distributed.new_group`` is collective over the whole job, so every generated
 file carries the same list, in the same order: the groups of every adapter (forward and
 backward) in every scale unit, the scale units themselves when an input needs its
-gradient summed, and the reducers' groups (ZeRO's sub-groups included).
+gradient summed or a pipeline shares its outputs, and the reducers' groups (ZeRO's
+sub-groups included).
 """
 
 from __future__ import annotations
@@ -38,15 +39,18 @@ def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, .
             shifted_plan = make_plan(shifted(spec.src, offset), shifted(spec.dst, offset))
             for ranks in plan_groups(shifted_plan, grad="exact"):
                 add(ranks)
-    if any(f.requires_grad for f in p.leaves if f.kind is TensorKind.INPUT):
+    if p.pipeline is not None or any(
+            f.requires_grad for f in p.leaves if f.kind is TensorKind.INPUT):
+        # inputs' gradients are summed over the unit; a pipeline's outputs are shared in it
         for unit in range(p.nunits):
             add(p.unit_ranks(unit))
     holder_sets: set[tuple[int, ...]] = set()
     if not p.inference_only:
         for leaf in p.leaves.values():
             if leaf.kind is TensorKind.PARAMETER and leaf.full.requires_grad:
-                for device in leaf.layout.devices:
-                    holder_sets.add(p.holders(leaf.layout, device))
+                for layout in p.held_layouts(leaf):
+                    for device in layout.devices:
+                        holder_sets.add(p.leaf_holders(leaf, device))
     reducer_groups = sorted(holder_sets, key=lambda hs: (len(hs), hs))
     ngroups = p.reducer_config["zero_ngroups"]
     for hs in reducer_groups:

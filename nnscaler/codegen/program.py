@@ -12,7 +12,12 @@
   earlier adapter of the same tensor to the same layout;
 - graph outputs are brought to ``R(plan_ngpus)`` (replicated on the whole scale unit);
 - it records the holders of every parameter piece and the process groups all ranks
-  create, in one order.
+  create, in one order;
+- for a graph cut into pipeline stages it also finds the stages' device sets, the
+  tensors that cross each stage boundary and the schedule
+  (:mod:`nnscaler.codegen.pipeline`); layouts are then seen per stage (a tensor made in
+  an earlier stage arrives lane by lane in the layout it was made in, a parameter is held
+  by every stage that reads it) and adapters never span two stages.
 
 :mod:`nnscaler.codegen.emit` then writes one file per rank from the result.
 """
@@ -29,6 +34,13 @@ from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.groups import process_groups
 from nnscaler.codegen.layouts import Placed, fold_values, replicated, restrict, to_layout
 from nnscaler.codegen.naming import Namer, identifier
+from nnscaler.codegen.pipeline import (
+    PipelinePlan,
+    find_stages,
+    make_schedule,
+    map_layout,
+    pipeline_settings,
+)
 from nnscaler.graph import IRGraph, check_plan
 from nnscaler.graph.check import written_by
 from nnscaler.graph.graph import as_irgraph
@@ -39,7 +51,7 @@ from nnscaler.layout import plan as make_plan
 #: Names generated code uses at module level or as locals of every method.
 RESERVED = frozenset({
     "self", "torch", "boundary", "Adapter", "ParallelModule", "nnscaler", "init_params",
-    "GenModel", "_out",
+    "GenModel", "_out", "Pipeline", "Piece", "parse_schedule", "anchored", "SCHEDULE",
 })
 
 #: The reducer options a compute config may carry, with their defaults.
@@ -97,12 +109,18 @@ class OpStep:
 class Leaf:
     """A parameter, buffer or constant (``name``: its attribute), or a forward input
     (``name``: its local variable, ``access``: the expression on the forward's
-    arguments). ``layout`` is where its pieces live."""
+    arguments). ``layout`` is where its pieces live.
+
+    In a pipeline, ``layout`` is on the devices of pipeline device ``group`` (that of its
+    first reader); every pipeline device in ``groups`` (those whose stages read it) holds
+    the same pieces lane by lane (see :mod:`nnscaler.codegen.pipeline`)."""
 
     full: FullTensor
     layout: Layout
     name: str
     access: str = ""
+    group: int = 0
+    groups: set[int] = attrs.field(factory=set)
 
     @property
     def kind(self) -> TensorKind:
@@ -137,6 +155,7 @@ class Program:
     adapters: list[AdapterSpec]
     process_groups: list[tuple[int, ...]]
     reducer_groups: list[tuple[int, ...]]
+    pipeline: PipelinePlan | None = None
 
     @property
     def nunits(self) -> int:
@@ -151,6 +170,32 @@ class Program:
         box = layout.box(device)
         same = [d for d in layout.devices if layout.box(d) == box]
         return tuple(sorted(u * self.plan_ngpus + d for u in range(self.nunits) for d in same))
+
+    def held_layouts(self, leaf: Leaf) -> list[Layout]:
+        """Every layout ``leaf`` is held in: its layout, and in a pipeline its copy on
+        every pipeline device whose stages read it."""
+        pipe = self.pipeline
+        if pipe is None or leaf.kind is TensorKind.INPUT:
+            return [leaf.layout]
+        src = pipe.groups[leaf.group]
+        return [map_layout(leaf.layout, src, pipe.groups[g]) for g in sorted(leaf.groups)]
+
+    def held_layout(self, leaf: Leaf, device: int) -> Layout | None:
+        """The layout of ``leaf`` that holds ``device``'s piece, or None."""
+        for layout in self.held_layouts(leaf):
+            if device in layout.devices:
+                return layout
+        return None
+
+    def leaf_holders(self, leaf: Leaf, device: int) -> tuple[int, ...]:
+        """The runtime ranks holding the same piece of ``leaf`` as ``device``: replicas
+        in every held copy (the stages of a tied weight) and every scale unit."""
+        layout = self.held_layout(leaf, device)
+        if layout is None:
+            return ()
+        box = layout.box(device)
+        same = [d for lay in self.held_layouts(leaf) for d in lay.devices if lay.box(d) == box]
+        return tuple(sorted({u * self.plan_ngpus + d for u in range(self.nunits) for d in same}))
 
 
 def _positive(name: str, value: Any) -> int:
@@ -242,6 +287,7 @@ def build_program(
     inference_only: bool = False,
     compute_config: Any = None,
     forward_signature: inspect.Signature | None = None,
+    pipeline: Any = None,
 ) -> Program:
     """Analyse a planned, checked graph for code generation (see the module docstring).
 
@@ -249,6 +295,11 @@ def build_program(
     assigned to a device of ``0 .. plan_ngpus - 1``, a piece nothing writes) and
     :class:`CodegenError` for what code generation cannot do (pieces that do not form an
     RVD layout, ``runtime_ngpus`` not a multiple of ``plan_ngpus``, ...).
+
+    A graph cut into two or more stages (:meth:`~nnscaler.graph.IRGraph.staging`) becomes
+    a pipeline (see :mod:`nnscaler.codegen.pipeline`): ``pipeline`` (a
+    :class:`~nnscaler.codegen.pipeline.PipelineSettings` or a dict) or else
+    ``compute_config.pas_config`` gives ``pipeline_nmicros`` and ``pipeline_scheduler``.
     """
     plan_ngpus = _positive("plan_ngpus", plan_ngpus)
     runtime_ngpus = _positive("runtime_ngpus", runtime_ngpus)
@@ -264,13 +315,29 @@ def build_program(
                         f"got {type(graph).__name__} {graph!r}")
     g = as_irgraph(graph)
     check_plan(g, plan_ngpus)
-    builder = _Builder(g, plan_ngpus, runtime_ngpus)
+    pipe = find_stages(g, plan_ngpus)
+    if pipe is not None:
+        if not end2end:
+            raise CodegenError(
+                f"the plan cuts the graph into {len(pipe.stages)} pipeline stages, but the "
+                f"module is not end2end: a pipeline runs its stages over micro-batches in "
+                f"train_step/infer_step, which needs forward(sample) -> loss first. "
+                f"Parallelize with ComputeConfig(use_end2end=True), or use a policy without "
+                f"pipeline stages (e.g. 'tp')"
+            )
+        pipe.settings = pipeline_settings(compute_config, pipeline)
+    builder = _Builder(g, plan_ngpus, runtime_ngpus, pipe)
     args = _forward_args(g, forward_signature, builder.namer)
     builder.args = {name for name, _ in args}
+    if pipe is not None:
+        _check_pipeline_args(g, args)
     builder.name_inputs()
     steps = [builder.step(origin, insts, pos) for pos, (origin, insts) in enumerate(builder.runs)]
     outputs, output_adapters = builder.outputs()
     builder.name_held()
+    if pipe is not None:
+        builder.boundaries()
+        pipe.schedule = make_schedule(pipe)
     program = Program(
         graph=g,
         plan_ngpus=plan_ngpus,
@@ -287,14 +354,36 @@ def build_program(
         adapters=builder.adapters,
         process_groups=[],
         reducer_groups=[],
+        pipeline=pipe,
     )
     program.process_groups, program.reducer_groups = process_groups(program)
     return program
 
 
+def _check_pipeline_args(g: IRGraph, args: list[tuple[str, str | None]]) -> None:
+    if not args:
+        raise CodegenError(
+            "a pipelined module takes the sample as the first argument of forward, but the "
+            "traced forward takes no argument; give forward the sample (an end2end module)"
+        )
+    traced = [name for name, default in args if default is None]
+    if len(traced) > 1 or (traced and traced[0] != args[0][0]):
+        raise CodegenError(
+            f"a pipelined module takes the sample as the first argument of forward and "
+            f"keeps the defaults of the others (an end2end module), but the graph was "
+            f"traced with the arguments {list(g.inputs)}; trace with the sample only "
+            f"(dummy_forward_args={{{args[0][0]!r}: ...}})"
+        )
+
+
 class _Builder:
-    def __init__(self, g: IRGraph, plan_ngpus: int, runtime_ngpus: int) -> None:
+    def __init__(self, g: IRGraph, plan_ngpus: int, runtime_ngpus: int,
+                 pipe: PipelinePlan | None = None) -> None:
         self.g = g
+        self.pipe = pipe
+        self.stage = 0  # the stage of the step being built (pipelines)
+        self.produced_in: dict[FullTensor, int] = {}  # activation -> stage of its writers
+        self.last_read: dict[FullTensor, int] = {}  # activation -> last stage reading it
         self.n = plan_ngpus
         self.runtime_ngpus = runtime_ngpus
         self.namer = Namer(RESERVED)
@@ -302,7 +391,7 @@ class _Builder:
         self.leaves: dict[FullTensor, Leaf] = {}
         self.variables: dict[FullTensor, str] = {}
         self.adapters: list[AdapterSpec] = []
-        self._cache: dict[tuple[FullTensor, Layout, Layout, bool], AdapterSpec] = {}
+        self._cache: dict[tuple[FullTensor, Layout, Layout, bool, int], AdapterSpec] = {}
         self._produced: dict[FullTensor, Layout] = {}
         self.writes: dict[FullTensor, list[Placed]] = {}
         self.writers: dict[FullTensor, list[Op]] = {}
@@ -315,6 +404,8 @@ class _Builder:
                         Placed.of(op.device, piece, key))  # type: ignore[arg-type]
                     self.writers.setdefault(piece.full, []).append(op)
                     self.last_write[piece.full] = pos
+                    if op.plan.stage is not None:
+                        self.produced_in[piece.full] = op.plan.stage
 
     # -- names ----------------------------------------------------------------------------
     def name_inputs(self) -> None:
@@ -356,17 +447,26 @@ class _Builder:
     # -- layouts --------------------------------------------------------------------------
     def source(self, full: FullTensor, first_use: Layout | None, pos: int,
                reader: str) -> Layout:
-        """Where ``full`` lives before ``reader`` (at run ``pos``) reads it."""
+        """Where ``full`` lives before ``reader`` (at run ``pos``) reads it (in a
+        pipeline: on the devices of the stage being built)."""
+        pipe = self.pipe
+        here = pipe.stages[self.stage] if pipe is not None else None
         if full.kind is TensorKind.INPUT and full.version == 0:
+            if here is not None:  # every stage reads the sample itself
+                return replicated(full.shape, here.devices)
             return self.leaves[full].layout
         if full.is_leaf:
             leaf = self.leaves.get(full)
             if leaf is None:
+                devices = here.devices if here is not None else range(self.n)
                 layout = fold_values(first_use) if first_use is not None \
-                    else replicated(full.shape, range(self.n))
-                leaf = Leaf(full, layout, "")
+                    else replicated(full.shape, devices)
+                leaf = Leaf(full, layout, "", group=here.group if here is not None else 0)
                 self.leaves[full] = leaf
-            return leaf.layout
+            if here is None or pipe is None:
+                return leaf.layout
+            leaf.groups.add(here.group)
+            return map_layout(leaf.layout, pipe.groups[leaf.group], here.devices)
         if full not in self._produced:
             writers = self.writers.get(full, [])
             what = ("the op instances that write it (" + ", ".join(
@@ -380,7 +480,15 @@ class _Builder:
                 f"(the instances of one op must be consecutive in program order); keep the "
                 f"instances that partition or replicate an op together"
             )
-        return self._produced[full]
+        if here is None or pipe is None:
+            return self._produced[full]
+        at = self.produced_in[full]
+        if at == self.stage:
+            return self._produced[full]
+        # made by an earlier stage: it arrives lane by lane, in the layout it was made in
+        pipe.produced[full] = (at, self._produced[full])
+        self.last_read[full] = max(self.last_read.get(full, at), self.stage)
+        return pipe.view(full, self.stage)
 
     def adapter(self, full: FullTensor, src: Layout, dst: Layout,
                 no_grad: bool) -> tuple[AdapterSpec | None, bool]:
@@ -389,7 +497,7 @@ class _Builder:
         src = restrict(src, dst.devices) or src
         if src == dst:
             return None, False
-        key = (full, src, dst, no_grad)
+        key = (full, src, dst, no_grad, self.stage)
         if key in self._cache:
             return self._cache[key], False
         plan = make_plan(src, dst)
@@ -406,6 +514,8 @@ class _Builder:
     # -- steps ----------------------------------------------------------------------------
     def step(self, origin: Op, insts: list[Op], pos: int) -> OpStep:
         g = self.g
+        if self.pipe is not None:
+            self.stage = insts[0].plan.stage or 0
         by_device: dict[int, Op] = {}
         for op in insts:
             device = op.device
@@ -444,7 +554,10 @@ class _Builder:
             for t in op.output_tensors():
                 if not t.full.is_leaf:
                     self.variable(t.full)
-        return OpStep(origin, by_device, adapters, reads, no_grad)
+        step = OpStep(origin, by_device, adapters, reads, no_grad)
+        if self.pipe is not None:
+            self.pipe.stages[self.stage].steps.append(step)
+        return step
 
     def _check_mutations(self, origin: Op, insts: list[Op], reads: list[Read]) -> None:
         g = self.g
@@ -478,15 +591,31 @@ class _Builder:
         adapters: list[AdapterSpec] = []
         seen: set[FullTensor] = set()
         end = len(self.runs)
+        devices: Any = range(self.n)
+        if self.pipe is not None:  # the outputs come out of the last stage
+            self.stage = self.pipe.last
+            devices = self.pipe.stages[self.pipe.last].devices
         for piece in self.g.output_tensors():
             full = piece.full
             if full in seen:
                 continue
             seen.add(full)
-            dst = replicated(full.shape, range(self.n))
+            dst = replicated(full.shape, devices)
             src = self.source(full, dst, end, "the graph's output")
             spec, new = self.adapter(full, src, dst, no_grad=False)
             if new and spec is not None:
                 adapters.append(spec)
             outs.append(Output(full, dst, spec))
         return outs, adapters
+
+    def boundaries(self) -> None:
+        """The tensors each stage receives and sends: an activation made in stage ``a``
+        and read last in stage ``b > a`` goes through every boundary in between."""
+        pipe = self.pipe
+        if pipe is None:
+            return
+        for full in sorted(self.last_read, key=lambda f: f.tid):
+            at, last = self.produced_in[full], self.last_read[full]
+            for s in range(at, last):
+                pipe.stages[s].outputs.append(full)
+                pipe.stages[s + 1].inputs.append(full)

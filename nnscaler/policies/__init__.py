@@ -2,7 +2,9 @@
 
 - ``dp``: data parallelism across scale units; one device per unit, every op on it;
 - ``data``: the batch split across the ``plan_ngpus`` devices of a unit;
-- ``tp``: tensor parallelism, each op split where the adapter costs say it pays.
+- ``tp``: tensor parallelism, each op split where the adapter costs say it pays;
+- ``pp``: pipeline parallelism, one stage per device of the scale unit;
+- ``hybrid``: pipeline stages, each split over its devices with tensor parallelism.
 
 Each is a callable ``(graph, compute_config) -> graph`` that places every op instance and
 checks the plan with ``graph.check(plan_ngpus)``. :func:`~nnscaler.policies.costs.adapters`
@@ -15,6 +17,7 @@ from nnscaler.hookspecs import hookimpl
 from nnscaler.policies.batch_split import data
 from nnscaler.policies.common import PolicyError
 from nnscaler.policies.costs import Adapter, adapters, layout_of, total_cost
+from nnscaler.policies.pipeline import hybrid, pp
 from nnscaler.policies.single_device import dp
 from nnscaler.policies.tensor_parallel import tp
 from nnscaler.registry import Registry
@@ -26,13 +29,15 @@ __all__ = [
     "adapters",
     "data",
     "dp",
+    "hybrid",
     "layout_of",
+    "pp",
     "total_cost",
     "tp",
 ]
 
 #: The policies this plugin registers, by name.
-BUILTIN_POLICIES = {"dp": dp, "data": data, "tp": tp}
+BUILTIN_POLICIES = {"dp": dp, "data": data, "tp": tp, "pp": pp, "hybrid": hybrid}
 
 
 @hookimpl

@@ -1,0 +1,38 @@
+"""Checkpoints of parallel modules: per rank, deduped, or merged into the original
+module's state dict; loaded into a parallel module of the same or any other plan.
+
+- ``model.state_dict()`` / ``model.load_state_dict(sd)`` on each rank: the rank's own
+  pieces, with the metadata needed to merge them (:mod:`nnscaler.checkpoint.meta`);
+- :func:`merge_state_dicts`: every rank's state dicts (module and optimizer) into the
+  ones the single-device module and optimizer load;
+- :func:`load_merged_state_dicts`: a full state dict into a parallel module of any plan;
+- :func:`deduped_state_dict` / :func:`load_deduped_state_dict`: each distinct piece saved
+  once across the ranks, and every rank restored from them;
+- :func:`save` / :func:`load`: atomic writes, ``weights_only=True`` reads;
+- :func:`track_optimizer`: optimizer state dicts that say which tensor each entry is.
+
+See ``docs/checkpoint.md``.
+"""
+
+from nnscaler.checkpoint.dedup import deduped_state_dict, load_deduped_state_dict
+from nnscaler.checkpoint.errors import (
+    CheckpointError,
+    OptimizerStateError,
+    StateDictMismatchError,
+)
+from nnscaler.checkpoint.files import load, save
+from nnscaler.checkpoint.merge import load_merged_state_dicts, merge_state_dicts
+from nnscaler.checkpoint.optimizer import track_optimizer
+
+__all__ = [
+    "CheckpointError",
+    "OptimizerStateError",
+    "StateDictMismatchError",
+    "deduped_state_dict",
+    "load",
+    "load_deduped_state_dict",
+    "load_merged_state_dicts",
+    "merge_state_dicts",
+    "save",
+    "track_optimizer",
+]

@@ -1,0 +1,854 @@
+"""Merge per-rank state dicts into the original module's, and load a full state dict into
+a parallel module of any plan.
+
+:func:`merge_state_dicts` puts every rank's pieces back together (replicas once, value
+parts summed), restores tied names and the tensors no rank holds, and merges the optimizer
+state of elementwise optimizers (Adam, AdamW, SGD with momentum, ...), ZeRO shards
+included. The result is what the single-device model and optimizer load with their own
+``load_state_dict``. :func:`load_merged_state_dicts` cuts such a full state dict into the
+pieces of any plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
+from nnscaler.checkpoint.meta import (
+    EXTRA_KEY,
+    FORMAT,
+    MARKER,
+    attr_record,
+    check_format,
+    describe_piece,
+    descriptor_map,
+    in_state_dict,
+    is_extra_state,
+    numel,
+    plan_info,
+    slicers,
+    sub_shape,
+    unheld_names,
+)
+from nnscaler.checkpoint.optimizer import (
+    OPTIMIZER_KEY,
+    optimizer_name,
+    parallel_modules,
+    tensor_entries,
+)
+
+__all__ = ["load_merged_state_dicts", "merge_state_dicts"]
+
+_ANOTHER = ("the state dict belongs to another model or plan")
+
+
+# -- reading per-rank state dicts ----------------------------------------------------------
+def parallel_prefixes(state_dict: Mapping[str, Any]) -> list[str]:
+    """The prefixes under which ``state_dict`` holds a ParallelModule (``''`` for a
+    parallel module saved by itself), in order."""
+    out = []
+    for key, value in state_dict.items():
+        if key.endswith(EXTRA_KEY) and is_extra_state(value):
+            prefix = key[: -len(EXTRA_KEY)]
+            if prefix == "" or prefix.endswith("."):
+                out.append(prefix)
+    return out
+
+
+def owned_by(prefix: str, key: str) -> bool:
+    """Whether ``key`` is an entry of the parallel module saved under ``prefix``."""
+    return key.startswith(prefix) and "." not in key[len(prefix):]
+
+
+def _as_list(value: Any, what: str) -> list[Any]:
+    if isinstance(value, Mapping) or not isinstance(value, Sequence) or not value:
+        raise CheckpointError(
+            f"{what} must be a non-empty list with one state dict per rank, got "
+            f"{type(value).__name__}"
+        )
+    for i, sd in enumerate(value):
+        if not isinstance(sd, Mapping):
+            raise CheckpointError(f"{what}[{i}] must be a state dict (a dict), got "
+                                  f"{type(sd).__name__}")
+    return list(value)
+
+
+class _Pieces:
+    """The distinct pieces of one full tensor, put back together."""
+
+    def __init__(self, name: str, shape: Sequence[int]) -> None:
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.parts: dict[tuple[tuple[tuple[int, int], ...], tuple[int, int]], torch.Tensor] = {}
+
+    def add(self, index: Sequence[Sequence[int]], value: Sequence[int], t: torch.Tensor) -> None:
+        key = (tuple((int(a), int(b)) for a, b in index), (int(value[0]), int(value[1])))
+        if tuple(t.shape) != sub_shape(key[0]):
+            raise CheckpointError(
+                f"{describe_piece(self.name, self.shape, key[0], key[1])} should have shape "
+                f"{sub_shape(key[0])}, but the state dict holds shape {tuple(t.shape)}; the "
+                f"state dict was edited after it was saved"
+            )
+        self.parts.setdefault(key, t)
+
+    def assemble(self, what: str, hint: str) -> torch.Tensor:
+        first = next(iter(self.parts.values()))
+        full = torch.zeros(self.shape, dtype=first.dtype, device=first.device)
+        boxes: dict[tuple[tuple[int, int], ...], set[tuple[int, int]]] = {}
+        with torch.no_grad():
+            for (index, value), t in self.parts.items():
+                sl = slicers(index)
+                if value[1] == 1:
+                    full[sl] = t.to(full.device)
+                else:
+                    full[sl] += t.to(full.device)
+                boxes.setdefault(index, set()).add(value)
+        covered = 0
+        for index, values in boxes.items():
+            nparts = {n for _, n in values}
+            if len(nparts) == 1 and {p for p, _ in values} == set(range(next(iter(nparts)))):
+                covered += numel(sub_shape(index))
+        if covered != numel(self.shape):
+            raise CheckpointError(
+                f"{what}: the state dicts given hold {covered} of the {numel(self.shape)} "
+                f"elements of {self.name} {self.shape}; {hint}"
+            )
+        return full
+
+
+class _ModuleView:
+    """One parallel module (``prefix``) across the given ranks' state dicts."""
+
+    def __init__(self, prefix: str, state_dicts: list[Mapping[str, Any]]) -> None:
+        self.prefix = prefix
+        self.state_dicts = state_dicts
+        self.metas: list[Mapping[str, Any]] = []
+        for i, sd in enumerate(state_dicts):
+            meta = sd.get(prefix + EXTRA_KEY)
+            if not is_extra_state(meta):
+                raise CheckpointError(
+                    f"state dict {i} has no parallel module under {prefix or '(the top)'!r} "
+                    f"but state dict 0 has: the state dicts come from different models"
+                )
+            check_format(meta, f"state dict {i}")
+            self.metas.append(meta)
+        self.records = [{r["attr"]: r for r in m["attrs"]} for m in self.metas]
+        self.manifest = next((m["manifest"] for m in self.metas if m.get("manifest")), None)
+        self.unheld = next((m["unheld"] for m in self.metas if m.get("unheld") is not None),
+                           None)
+        ngpus = self.metas[0].get("runtime_ngpus")
+        self.hint = (f"pass the state dicts of all {ngpus} ranks (a plan spreads its pieces "
+                     f"over them), each saved after the same step")
+
+    def merge(self) -> dict[str, torch.Tensor]:
+        """``{original name: full tensor}`` with the module's prefix, in the original
+        module's order when it is known."""
+        pieces: dict[str, _Pieces] = {}
+        names: dict[str, list[str]] = {}
+        for i, (sd, meta) in enumerate(zip(self.state_dicts, self.metas)):
+            deduped = bool(meta.get("deduped"))
+            for rec in meta["attrs"]:
+                if not in_state_dict(rec):
+                    continue
+                key = self.prefix + rec["attr"]
+                t = sd.get(key)
+                if t is None:
+                    if deduped:
+                        continue  # kept by another rank
+                    raise CheckpointError(
+                        f"state dict {i} lacks {key!r}, which its own metadata lists "
+                        f"({describe_piece(rec['name'], rec['shape'], rec['index'])}); the "
+                        f"state dict was edited after it was saved"
+                    )
+                pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"])).add(
+                    rec["index"], rec["value"], t)
+                names.setdefault(rec["name"], list(rec["names"]))
+        full: dict[str, torch.Tensor] = {}
+        for name, ps in pieces.items():
+            tensor = ps.assemble("merge_state_dicts", self.hint)
+            for n in names[name]:
+                full[n] = tensor
+        missing_unheld = unheld_names(self.manifest) if self.manifest else None
+        if self.unheld is not None:
+            for n, t in self.unheld.items():
+                full.setdefault(n, t)
+        elif missing_unheld:
+            warnings.warn(
+                f"merge_state_dicts: none of the state dicts carries the values of the "
+                f"tensors no rank holds ({missing_unheld[:4]}...): they are missing from the "
+                f"merged state dict. Save a state dict on rank 0, which reads them from "
+                f"fullmodel.pt",
+                stacklevel=3,
+            )
+        elif self.manifest is None:
+            warnings.warn(
+                "merge_state_dicts: the state dicts do not list the original module's "
+                "parameters and buffers (no config.json beside the generated code), so "
+                "parameters that no rank holds (unused by the traced graph) cannot be "
+                "restored; parallelize the module with nnscaler.parallelize to record them",
+                stacklevel=3,
+            )
+        out: dict[str, torch.Tensor] = {}
+        if self.manifest is not None:
+            for entry in self.manifest:
+                if entry["kind"] == "buffer" and not entry["persistent"]:
+                    continue
+                for n in entry["names"]:
+                    if n in full:
+                        out[self.prefix + n] = full.pop(n)
+        out.update((self.prefix + n, t) for n, t in full.items())
+        return out
+
+    def param_order(self) -> list[str]:
+        """Original parameter names (first name of tied ones), in the original order."""
+        if self.manifest is not None:
+            return [e["names"][0] for e in self.manifest if e["kind"] == "parameter"]
+        order: dict[str, None] = {}
+        for meta in self.metas:
+            for rec in meta["attrs"]:
+                if rec["kind"] == "parameter":
+                    order.setdefault(rec["name"], None)
+        return list(order)
+
+    def unheld_trainable(self) -> list[str]:
+        if self.manifest is None:
+            return []
+        return [e["names"][0] for e in self.manifest if e["kind"] == "parameter"
+                and e.get("held") is False and e.get("requires_grad")]
+
+
+# -- merging optimizer state ---------------------------------------------------------------
+def _guess_optimizer(state: Mapping[Any, Any]) -> str:
+    keys: set[str] = set()
+    for entry in state.values():
+        if isinstance(entry, Mapping):
+            keys.update(str(k) for k in entry)
+    if {"exp_avg", "exp_avg_sq"} <= keys:
+        return "the optimizer (Adam-like)"
+    if "momentum_buffer" in keys:
+        return "the optimizer (SGD-like)"
+    return "the optimizer"
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a = a.item() if isinstance(a, torch.Tensor) else a
+        b = b.item() if isinstance(b, torch.Tensor) else b
+    return bool(a == b)
+
+
+def _unmergeable(opt: str, key: Any, value: Any, what: str, shape: Sequence[int]
+                 ) -> OptimizerStateError:
+    got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+           else f"a {type(value).__name__}")
+    return OptimizerStateError(
+        f"{opt} keeps the state {key!r} of {what} as {got}, neither one value per element "
+        f"(shape {tuple(shape)}) nor a scalar: its state cannot be merged or resharded. "
+        f"Merging supports elementwise optimizers (Adam, AdamW, SGD with momentum, "
+        f"Adagrad, RMSprop, ...); save per-rank state dicts for this optimizer (they reload "
+        f"into the same plan), or train with an elementwise optimizer"
+    )
+
+
+class _ParamState:
+    """The optimizer state of one original parameter, gathered from its pieces."""
+
+    def __init__(self, name: str, shape: Sequence[int]) -> None:
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.keys: list[Any] = []
+        self.elementwise: dict[Any, _Pieces] = {}
+        self.scalars: dict[Any, Any] = {}
+
+    def add(self, opt: str, rec: Mapping[str, Any], state: Mapping[Any, Any],
+            pieces_of: Mapping[Any, torch.Tensor] | None = None) -> None:
+        """Add the state of the piece ``rec``: ``state`` per key (``pieces_of`` gives the
+        piece's values of elementwise keys cut out of a ZeRO shard)."""
+        piece_shape = sub_shape(rec["index"])
+        for key, value in state.items():
+            if key not in self.keys:
+                self.keys.append(key)
+            if pieces_of is not None and key in pieces_of:
+                value = pieces_of[key]
+            elementwise = (isinstance(value, torch.Tensor)
+                           and tuple(value.shape) == piece_shape
+                           and (value.dim() > 0 or len(piece_shape) == 0)
+                           and (pieces_of is None or key in pieces_of))
+            if elementwise:
+                if tuple(rec["value"]) != (0, 1):
+                    raise OptimizerStateError(
+                        f"{opt}: the state {key!r} of "
+                        f"{describe_piece(rec['name'], rec['shape'], rec['index'], rec['value'])}"
+                        f" belongs to a value part of a parameter, which cannot be merged"
+                    )
+                self.elementwise.setdefault(key, _Pieces(self.name, self.shape)).add(
+                    rec["index"], rec["value"], value)
+            elif _is_scalar(value):
+                if key in self.scalars and not _same_scalar(self.scalars[key], value):
+                    raise CheckpointError(
+                        f"the optimizer state {key!r} of {self.name} differs between ranks "
+                        f"({self.scalars[key]} and {value}): the state dicts were saved after "
+                        f"different steps; save every rank after the same step"
+                    )
+                self.scalars.setdefault(key, value)
+            else:
+                raise _unmergeable(opt, key, value, describe_piece(
+                    rec["name"], rec["shape"], rec["index"]), piece_shape)
+
+    def build(self, hint: str) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for key in self.keys:
+            if key in self.elementwise:
+                out[key] = self.elementwise[key].assemble(
+                    f"merge_state_dicts (optimizer state {key!r})", hint)
+            else:
+                value = self.scalars[key]
+                out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return out
+
+
+def _rank_entries(views: list[_ModuleView], r: int, osd: Mapping[str, Any]
+                  ) -> tuple[dict[Any, tuple[_ModuleView, Mapping[str, Any]]], str, bool]:
+    """``optimizer index -> (module view, descriptor)`` for rank ``r``, the optimizer's
+    name, and whether the state dict said which tensor is which (else: by order)."""
+    if not isinstance(osd.get("param_groups"), list) or not isinstance(osd.get("state"), Mapping):
+        raise CheckpointError(
+            f"optimizer_state_dicts[{r}] is not an optimizer state dict (it needs 'state' and "
+            f"'param_groups'); pass optimizer.state_dict() of every rank"
+        )
+    indices = [i for g in osd["param_groups"] for i in g["params"]]
+    meta = osd.get(OPTIMIZER_KEY)
+    opt = meta.get("optimizer") if isinstance(meta, Mapping) else None
+    opt = opt or _guess_optimizer(osd["state"])
+    if isinstance(meta, Mapping) and "params" in meta:
+        if len(meta["params"]) != len(indices):
+            raise CheckpointError(
+                f"optimizer_state_dicts[{r}]: its nnscaler metadata lists "
+                f"{len(meta['params'])} tensors but its groups hold {len(indices)}; the state "
+                f"dict was edited after it was saved"
+            )
+        out: dict[Any, tuple[_ModuleView, Mapping[str, Any]]] = {}
+        for i, where in zip(indices, meta["params"]):
+            if where is None:
+                raise CheckpointError(
+                    f"optimizer_state_dicts[{r}]: {opt} updates a tensor (entry {i}) that "
+                    f"belongs to no parallel module; merging supports optimizers over "
+                    f"parallel modules' parameters only (parallelize the whole model)"
+                )
+            view = views[where[0]]
+            out[i] = (view, view.metas[r]["optimizer"][where[1]])
+        return out, opt, True
+    descs = [(view, d) for view in views for d in view.metas[r]["optimizer"]]
+    if len(descs) != len(indices):
+        raise CheckpointError(
+            f"optimizer_state_dicts[{r}]: {opt} has {len(indices)} tensors but the parallel "
+            f"modules of module_state_dicts[{r}] hand {len(descs)} to an optimizer. Merging "
+            f"supports optimizers over the parallel modules' parameters_for_optimizer() only "
+            f"(as nnscaler.build_optimizer makes them); pass each rank's module and optimizer "
+            f"state dicts in the same order"
+        )
+    return dict(zip(indices, descs)), opt, False
+
+
+def _check_shapes(opt: str, r: int, i: Any, state: Mapping[Any, Any], expected: tuple[int, ...],
+                  what: str) -> None:
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != expected:
+            raise CheckpointError(
+                f"optimizer_state_dicts[{r}] entry {i}: {opt}'s state {key!r} has shape "
+                f"{tuple(value.shape)}, but the tensor it belongs to ({what}) has shape "
+                f"{expected} in nnscaler.build_optimizer's order. Either the optimizer "
+                f"orders its tensors differently (several parameter groups?): call "
+                f"nnscaler.checkpoint.track_optimizer(optimizer) after building it so that "
+                f"its state_dict() says which tensor is which, and pass each rank's module "
+                f"and optimizer state dicts in the same order; or its state is not "
+                f"elementwise, and cannot be merged"
+            )
+
+
+def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str, Any]]
+                                ) -> dict[str, Any]:
+    params: dict[str, _ParamState] = {}
+    group_of: dict[str, int] = {}
+    group_hyper: dict[int, dict[str, Any]] = {}
+    zero: dict[tuple[Any, ...], dict[int, tuple[int, Mapping[Any, Any], Mapping[str, Any]]]] = {}
+    zero_view: dict[tuple[Any, ...], _ModuleView] = {}
+    opt_name = "the optimizer"
+    hint = views[0].hint
+
+    def param_state(view: _ModuleView, rec: Mapping[str, Any]) -> _ParamState:
+        name = view.prefix + rec["name"]
+        return params.setdefault(name, _ParamState(name, rec["shape"]))
+
+    def assign_group(name: str, g: int, r: int) -> None:
+        if group_of.setdefault(name, g) != g:
+            raise CheckpointError(
+                f"optimizer_state_dicts[{r}] puts {name} in parameter group {g}, another rank "
+                f"in group {group_of[name]}: every rank must group the parameters alike"
+            )
+
+    for r, osd in enumerate(osds):
+        entries, opt, exact = _rank_entries(views, r, osd)
+        opt_name = opt
+        for g, group in enumerate(osd["param_groups"]):
+            group_hyper.setdefault(g, {k: v for k, v in group.items()
+                                       if k not in ("params", "param_names")})
+            for i in group["params"]:
+                view, desc = entries[i]
+                state = osd["state"].get(i)
+                if desc["kind"] == "param":
+                    rec = view.records[r][desc["attr"]]
+                    assign_group(view.prefix + rec["name"], g, r)
+                    if state and not exact:
+                        _check_shapes(opt, r, i, state, sub_shape(rec["index"]),
+                                      describe_piece(rec["name"], rec["shape"], rec["index"]))
+                    if state:
+                        param_state(view, rec).add(opt, rec, state)
+                    continue
+                for attr, _, _ in desc["members"]:
+                    assign_group(view.prefix + view.records[r][attr]["name"], g, r)
+                if not state:
+                    continue
+                if not exact:
+                    _check_shapes(opt, r, i, state, (int(desc["shard_numel"]),),
+                                  f"a ZeRO shard of {len(desc['members'])} parameters")
+                key = (view.prefix, tuple(desc["reducer"]), int(desc["bucket"]),
+                       int(desc["nshards"]))
+                zero.setdefault(key, {}).setdefault(int(desc["shard_index"]), (r, state, desc))
+                zero_view[key] = view
+
+    for key, shards in zero.items():
+        view, nshards = zero_view[key], key[3]
+        missing = [s for s in range(nshards) if s not in shards]
+        if missing:
+            raise CheckpointError(
+                f"merge_state_dicts: the ZeRO shards {missing} of {nshards} of a reducer "
+                f"bucket of ranks {list(key[1])} are in none of the optimizer state dicts "
+                f"given; {hint}"
+            )
+        r0, state0, desc0 = shards[0]
+        flat: dict[Any, torch.Tensor] = {}
+        for k, value in state0.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and \
+                    value.numel() == int(desc0["shard_numel"]):
+                flat[k] = torch.cat([shards[s][1][k].reshape(-1) for s in range(nshards)])
+        for attr, offset, count in desc0["members"]:
+            rec = view.records[r0][attr]
+            cut = {k: f[int(offset): int(offset) + int(count)].view(sub_shape(rec["index"]))
+                   for k, f in flat.items()}
+            param_state(view, rec).add(opt_name, rec, state0, pieces_of=cut)
+
+    order: list[str] = []
+    extra_trainable: set[str] = set()
+    for view in views:
+        order += [view.prefix + n for n in view.param_order()]
+        extra_trainable.update(view.prefix + n for n in view.unheld_trainable())
+    order += [n for n in group_of if n not in set(order)]
+    ngroups = max(len(osd["param_groups"]) for osd in osds)
+    names_by_group: list[list[str]] = [[] for _ in range(ngroups)]
+    for name in order:
+        if name in group_of:
+            names_by_group[group_of[name]].append(name)
+        elif name in extra_trainable:
+            names_by_group[0].append(name)  # unused by the graph: no state, first group
+    state_out: dict[int, dict[Any, Any]] = {}
+    groups_out: list[dict[str, Any]] = []
+    index = 0
+    for g, names in enumerate(names_by_group):
+        ids = []
+        for name in names:
+            ids.append(index)
+            if name in params:
+                state_out[index] = params[name].build(hint)
+            index += 1
+        groups_out.append({**group_hyper.get(g, {}), "params": ids, "param_names": names})
+    return {"state": state_out, "param_groups": groups_out}
+
+
+def merge_state_dicts(
+    module_state_dicts: Sequence[Mapping[str, Any]],
+    optimizer_state_dicts: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Merge the state dicts of every rank into the original module's state dict.
+
+    ``module_state_dicts``: ``model.state_dict()`` of each rank (or the dicts of
+    :func:`deduped_state_dict`), where ``model`` is a ParallelModule or holds some.
+    ``optimizer_state_dicts``: ``optimizer.state_dict()`` of the same ranks, in the same
+    order, or None.
+
+    Returns ``(module_state_dict, optimizer_state_dict)``: the first is what the original
+    single-device module loads with ``load_state_dict`` (every parameter and persistent
+    buffer under each of its names, tied ones included, and the parameters the traced
+    graph never used); the second (None without optimizer state dicts) is what an
+    optimizer of the same class over the original module's parameters loads: its state
+    keyed like torch's (``0, 1, ...`` in group order, each group's parameters in the
+    module's order), each group with the hyperparameters the ranks used and
+    ``param_names``. Parameters the graph never used are in the first group, without
+    state. Tensors stay on the device they were loaded to.
+    """
+    sds = _as_list(module_state_dicts, "module_state_dicts")
+    prefixes = parallel_prefixes(sds[0])
+    if not prefixes:
+        raise CheckpointError(
+            "module_state_dicts[0] holds no parallel module state (no '_extra_state' written "
+            "by a ParallelModule): pass the state_dict() of the modules nnscaler.parallelize "
+            "made, one per rank"
+        )
+    for i, sd in enumerate(sds[1:], start=1):
+        if parallel_prefixes(sd) != prefixes:
+            raise CheckpointError(
+                f"module_state_dicts[{i}] holds parallel modules under "
+                f"{parallel_prefixes(sd)}, module_state_dicts[0] under {prefixes}: the state "
+                f"dicts come from different models"
+            )
+    views = [_ModuleView(p, sds) for p in prefixes]
+    merged: dict[str, Any] = {}
+    rest = {k: v for k, v in sds[0].items() if not any(owned_by(p, k) for p in prefixes)}
+    for view in views:
+        merged.update(view.merge())
+    merged.update(rest)
+    if optimizer_state_dicts is None:
+        return merged, None
+    osds = _as_list(optimizer_state_dicts, "optimizer_state_dicts")
+    if len(osds) != len(sds):
+        raise CheckpointError(
+            f"merge_state_dicts takes one optimizer state dict per module state dict, in the "
+            f"same rank order; got {len(sds)} module and {len(osds)} optimizer state dicts"
+        )
+    return merged, merge_optimizer_state_dicts(views, osds)
+
+
+# -- loading a full state dict into a parallel module --------------------------------------
+def _full_of(state: Mapping[str, Any], prefix: str, names: Sequence[str]) -> tuple[str, Any]:
+    for n in names:
+        if prefix + n in state:
+            return prefix + n, state[prefix + n]
+    return prefix + names[0], None
+
+
+def _cut(full: torch.Tensor, meta: Any, device: torch.device | None) -> torch.Tensor:
+    if meta.value[0] == 0:
+        piece = full[meta.slicers]
+    else:
+        piece = torch.zeros(meta.sub_shape, dtype=full.dtype, device=full.device)
+    return piece.to(device) if device is not None else piece
+
+
+def _merged_fix(cls: str) -> str:
+    return (f"Pass the state dict merged from {cls}'s own checkpoints (merge_state_dicts), "
+            f"or the original module's state_dict().")
+
+
+def load_merged_state_dicts(
+    module: torch.nn.Module,
+    module_state_dict: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state_dict: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+) -> None:
+    """Load a full state dict (from :func:`merge_state_dicts`, or the original module's
+    own) into ``module``, a ParallelModule of any plan or a model holding some, and
+    optionally the full optimizer state into ``optimizer`` (built over the module, e.g.
+    by :func:`nnscaler.build_optimizer`).
+
+    Every rank calls it with the same full state dicts and takes its own pieces. A key that
+    does not fit (another model: a missing key or a different shape) is an error naming
+    the first such key and both shapes. ``device``: where the pieces are cut (the module's
+    tensors are updated in place wherever they live); None cuts them where the state dict
+    lies.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load_merged_state_dicts takes the module first, got "
+                        f"{type(module).__name__}")
+    if not isinstance(module_state_dict, Mapping):
+        raise TypeError(f"module_state_dict must be a state dict (a dict), got "
+                        f"{type(module_state_dict).__name__}")
+    if (optimizer is None) != (optimizer_state_dict is None):
+        raise CheckpointError(
+            "load_merged_state_dicts: pass both optimizer and optimizer_state_dict, or "
+            "neither"
+        )
+    dev = torch.device(device) if device is not None else None
+    pms = parallel_modules(module)
+    if not pms:
+        module.load_state_dict(module_state_dict)
+        if optimizer is not None and optimizer_state_dict is not None:
+            optimizer.load_state_dict(optimizer_state_dict)
+        return
+    if any(is_extra_state(v) for k, v in module_state_dict.items() if k.endswith(EXTRA_KEY)):
+        raise CheckpointError(
+            "load_merged_state_dicts takes a merged (full) state dict, but this one is a "
+            "rank's own state dict (it carries parallel-module metadata); merge the ranks' "
+            "state dicts with merge_state_dicts first, or load it with load_state_dict into "
+            "the same plan"
+        )
+    own = module.state_dict()
+    local: dict[str, Any] = {}
+    consumed: set[str] = set()
+    cls = type(module).__qualname__
+    for key, value in own.items():
+        if any(owned_by(p, key) for p, _ in pms):
+            continue
+        given = module_state_dict.get(key)
+        if given is None:
+            raise _mismatch(cls, key, "absent", tuple(getattr(value, "shape", ())))
+        if isinstance(value, torch.Tensor) and (not isinstance(given, torch.Tensor)
+                                                or tuple(given.shape) != tuple(value.shape)):
+            raise _mismatch(cls, key, tuple(getattr(given, "shape", ())), tuple(value.shape))
+        local[key] = given
+        consumed.add(key)
+    open_prefixes = []
+    for prefix, pm in pms:
+        name = f"{type(pm).__qualname__} (rank {pm.rank})"
+        info = plan_info(pm)
+        for entry in info.manifest or ():  # the whole original module, held here or not
+            if entry["kind"] == "buffer" and not entry["persistent"]:
+                continue
+            for n in entry["names"]:
+                value = module_state_dict.get(prefix + n)
+                shape = tuple(getattr(value, "shape", ()))
+                if value is None or shape != tuple(entry["shape"]):
+                    raise _mismatch(name, prefix + n, "absent" if value is None else shape,
+                                    entry["shape"])
+                consumed.add(prefix + n)
+        for attr, meta in pm.fullmap.items():
+            if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
+                continue
+            key, full = _full_of(module_state_dict, prefix, meta.names)
+            if full is None:
+                raise _mismatch(name, key, "absent", meta.shape)
+            if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(meta.shape):
+                raise _mismatch(name, key, tuple(getattr(full, "shape", ())), meta.shape)
+            consumed.update(prefix + n for n in meta.names)
+            local[prefix + attr] = _cut(full, meta, dev)
+        extra: dict[str, Any] = {MARKER: FORMAT,
+                                 "attrs": [attr_record(a, m) for a, m in pm.fullmap.items()]}
+        names = unheld_names(info.manifest)
+        if names is not None:
+            unheld = {}
+            for n in names:
+                value = module_state_dict.get(prefix + n)
+                if value is None:
+                    raise _mismatch(name, prefix + n, "absent", _manifest_shape(info.manifest, n))
+                unheld[n] = value
+                consumed.add(prefix + n)
+            extra["unheld"] = unheld
+        else:
+            open_prefixes.append(prefix)
+        local[prefix + EXTRA_KEY] = extra
+    unexpected = [k for k in module_state_dict if k not in consumed]
+    for prefix in open_prefixes:  # the plan's full list of names is unknown: keep the rest
+        taken = {k: module_state_dict[k] for k in unexpected if k.startswith(prefix)}
+        if taken:
+            local[prefix + EXTRA_KEY]["unheld"] = {k[len(prefix):]: v for k, v in taken.items()}
+            unexpected = [k for k in unexpected if k not in taken]
+    if unexpected:
+        key = unexpected[0]
+        raise _mismatch(cls, key, tuple(getattr(module_state_dict[key], "shape", ())),
+                        "absent")
+    local_opt = None
+    if optimizer is not None and optimizer_state_dict is not None:
+        local_opt = _local_optimizer_state(pms, optimizer, optimizer_state_dict, dev)
+    # everything checked: load (a failure above changed nothing)
+    module.load_state_dict(local, strict=True)
+    if optimizer is not None and local_opt is not None:
+        optimizer.load_state_dict(local_opt)
+
+
+def _manifest_shape(manifest: Any, name: str) -> tuple[int, ...]:
+    for entry in manifest or ():
+        if name in entry["names"]:
+            return tuple(entry["shape"])
+    return ()
+
+
+def _mismatch(where: str, key: str, theirs: Any, mine: Any) -> CheckpointError:
+    from nnscaler.checkpoint.errors import StateDictMismatchError
+
+    their_text = "absent" if theirs == "absent" else f"shape {tuple(theirs)}"
+    my_text = "absent" if mine == "absent" else f"shape {tuple(mine)}"
+    return StateDictMismatchError(
+        f"load_merged_state_dicts into {where}: {_ANOTHER}; the first mismatching key is "
+        f"{key!r}: {their_text} in the state dict, {my_text} in the module. "
+        f"{_merged_fix(where)}"
+    )
+
+
+def _full_optimizer_state(osd: Mapping[str, Any], pms: list[tuple[str, Any]]
+                          ) -> tuple[dict[str, Any], dict[str, int]]:
+    """``{parameter name: state}`` and ``{parameter name: group}`` of a full optimizer
+    state dict (by its ``param_names``, or by the original parameter order)."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(osd.get("state"), Mapping):
+        raise CheckpointError("optimizer_state_dict is not an optimizer state dict (it needs "
+                              "'state' and 'param_groups')")
+    by_name: dict[str, Any] = {}
+    group_of: dict[str, int] = {}
+    if all("param_names" in g for g in groups):
+        for g, group in enumerate(groups):
+            for i, name in zip(group["params"], group["param_names"]):
+                group_of[name] = g
+                if i in osd["state"]:
+                    by_name[name] = osd["state"][i]
+        return by_name, group_of
+    if len(groups) != 1:
+        raise CheckpointError(
+            f"optimizer_state_dict has {len(groups)} parameter groups without 'param_names', "
+            f"so which parameter each entry is cannot be told; pass the optimizer state dict "
+            f"of merge_state_dicts (it names them), or build the single-device optimizer "
+            f"over named parameters (torch.optim.Adam(model.named_parameters()))"
+        )
+    order: list[str] = []
+    for prefix, pm in pms:
+        manifest = plan_info(pm).manifest
+        if manifest is None:
+            raise CheckpointError(
+                "optimizer_state_dict has no 'param_names' and the module does not know the "
+                "original parameter order (no config.json beside the generated code); pass "
+                "the optimizer state dict of merge_state_dicts"
+            )
+        order += [prefix + e["names"][0] for e in manifest if e["kind"] == "parameter"
+                  and e.get("requires_grad", True)]
+    ids = groups[0]["params"]
+    if len(ids) != len(order):
+        raise CheckpointError(
+            f"optimizer_state_dict has {len(ids)} parameters, the original module "
+            f"{len(order)} that require grad; pass the state dict of an optimizer over "
+            f"[p for p in model.parameters() if p.requires_grad], or of merge_state_dicts"
+        )
+    for i, name in zip(ids, order):
+        group_of[name] = 0
+        if i in osd["state"]:
+            by_name[name] = osd["state"][i]
+    return by_name, group_of
+
+
+def _split_state(opt: str, name: str, meta: Any, state: Mapping[Any, Any],
+                 device: torch.device | None, copy: bool = True
+                 ) -> tuple[dict[Any, torch.Tensor], dict[Any, Any]]:
+    """A full parameter's state as ``(elementwise pieces of meta's box, scalars)``;
+    ``copy``: the pieces are copies (the optimizer updates its state in place, the
+    caller's dict must not change), else views."""
+    pieces: dict[Any, torch.Tensor] = {}
+    scalars: dict[Any, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(meta.shape) and (
+                value.dim() > 0 or len(meta.shape) == 0):
+            piece = value[meta.slicers]
+            if device is not None:
+                piece = piece.to(device, copy=copy)
+            pieces[key] = piece.clone() if copy and device is None else piece
+        elif _is_scalar(value):
+            scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        else:
+            raise _unmergeable(opt, key, value, f"{name} {tuple(meta.shape)}", meta.shape)
+    return pieces, scalars
+
+
+def _local_optimizer_state(pms: list[tuple[str, Any]], optimizer: torch.optim.Optimizer,
+                           osd: Mapping[str, Any], device: torch.device | None
+                           ) -> dict[str, Any]:
+    """``optimizer``'s state dict cut out of the full one ``osd``."""
+    opt = optimizer_name(optimizer)
+    by_name, group_of = _full_optimizer_state(osd, pms)
+    entries = tensor_entries([pm for _, pm in pms])
+    descs = [descriptor_map(pm) for _, pm in pms]
+    saved_groups = osd["param_groups"]
+    local_state: dict[int, dict[Any, Any]] = {}
+    local_groups: list[dict[str, Any]] = []
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        ids: list[int] = []
+        source: int | None = None
+        for p in group["params"]:
+            entry = entries.get(id(p))
+            if entry is None:
+                raise CheckpointError(
+                    f"load_merged_state_dicts: {opt} (parameter group {g}) updates a tensor of "
+                    f"shape {tuple(p.shape)} that belongs to no parallel module of the model; "
+                    f"loading supports optimizers over the parallel modules' "
+                    f"parameters_for_optimizer() (nnscaler.build_optimizer)"
+                )
+            prefix, pm = pms[entry[0]]
+            desc = descs[entry[0]][id(p)]
+            members = ([(desc["attr"], 0, 0)] if desc["kind"] == "param"
+                       else [tuple(m) for m in desc["members"]])
+            states = []
+            for attr, _, _ in members:
+                meta = pm.fullmap[attr]
+                names = [prefix + n for n in meta.names]
+                name = next((n for n in names if n in group_of), names[0])
+                if name in group_of:
+                    if source is None:
+                        source = group_of[name]
+                    elif _hyper(saved_groups[source]) != _hyper(saved_groups[group_of[name]]):
+                        raise CheckpointError(
+                            f"load_merged_state_dicts: {opt}'s parameter group {g} holds "
+                            f"parameters of the saved groups {source} and {group_of[name]}, "
+                            f"which have different hyperparameters; group the parameters as "
+                            f"the checkpoint does"
+                        )
+                full = next((by_name[n] for n in names if n in by_name), None)
+                states.append((name, meta, full))
+            ids.append(index)
+            local = _local_state(opt, desc, states, device)
+            if local:
+                local_state[index] = local
+            index += 1
+        hyper = _hyper(saved_groups[source]) if source is not None else _hyper(group)
+        local_groups.append({**hyper, "params": ids})
+    return {"state": local_state, "param_groups": local_groups}
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _local_state(opt: str, desc: Mapping[str, Any], states: list[tuple[str, Any, Any]],
+                 device: torch.device | None) -> dict[Any, Any]:
+    with_state = [s for s in states if s[2]]
+    if not with_state:
+        return {}
+    if len(with_state) != len(states):
+        missing = next(s[0] for s in states if not s[2])
+        raise CheckpointError(
+            f"load_merged_state_dicts: the optimizer state dict has state for "
+            f"{with_state[0][0]} but none for {missing}, which {opt} updates as one ZeRO "
+            f"shard; the optimizer state dict is incomplete"
+        )
+    if desc["kind"] == "param":
+        name, meta, full = states[0]
+        pieces, scalars = _split_state(opt, name, meta, full, device)
+        return {k: pieces[k] if k in pieces else scalars[k] for k in full}
+    nshards, shard_numel = int(desc["nshards"]), int(desc["shard_numel"])
+    lo = int(desc["shard_index"]) * shard_numel
+    out: dict[Any, Any] = {}
+    split = [(name, meta, full, *_split_state(opt, name, meta, full, device, copy=False))
+             for name, meta, full in states]
+    keys = list(states[0][2])
+    for key in keys:
+        if key in split[0][3]:
+            ref = split[0][3][key]
+            flat = torch.zeros(nshards * shard_numel, dtype=ref.dtype, device=ref.device)
+            for (_, meta, _, pieces, _), (_, offset, count) in zip(split, desc["members"]):
+                if key not in pieces:
+                    raise CheckpointError(f"load_merged_state_dicts: the optimizer state "
+                                          f"{key!r} is missing for {meta.orig_name}")
+                flat[int(offset): int(offset) + int(count)] = pieces[key].reshape(-1)
+            out[key] = flat[lo: lo + shard_numel].clone()
+        else:
+            out[key] = split[0][4][key]
+    return out

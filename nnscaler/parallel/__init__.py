@@ -1,0 +1,42 @@
+"""``nnscaler.parallelize`` and its companions: the user-facing API of nnscaler.
+
+- :class:`ComputeConfig`, :class:`ReuseType`, :class:`BroadcastGenFilesStrategy`;
+- :func:`parallelize`: a module (or class) in, a ``ParallelModule`` (or class) out, with
+  ``gencode{rank}.py`` files under ``gen_savedir``;
+- :func:`build_optimizer`: an optimizer patched to sync gradients, gather ZeRO shards,
+  scale and clip gradients;
+- :func:`broadcast_weights`: initial weights from the ranks that have them.
+
+See ``docs/parallelize.md``.
+"""
+
+from __future__ import annotations
+
+from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError, parallelize
+from nnscaler.parallel.broadcast import BroadcastError, broadcast_weights
+from nnscaler.parallel.config import (
+    BroadcastGenFilesStrategy,
+    ComputeConfig,
+    ComputeConfigError,
+    ReuseType,
+)
+from nnscaler.parallel.files import GenFilesError
+from nnscaler.parallel.optimizer import OptimizerError, build_optimizer
+from nnscaler.runtime.module import ParallelModule
+
+__all__ = [
+    "BroadcastError",
+    "BroadcastGenFilesStrategy",
+    "ComputeConfig",
+    "ComputeConfigError",
+    "GenFilesError",
+    "OptimizerError",
+    "ParallelModule",
+    "ParallelizeError",
+    "ReuseMismatchError",
+    "ReuseType",
+    "broadcast_weights",
+    "build_optimizer",
+    "parallelize",
+]
+

@@ -1,0 +1,525 @@
+"""``parallelize``: trace a module, apply a policy, generate code per rank, load it.
+
+See ``docs/parallelize.md`` for the user's view and ``docs/internals/parallel-runtime.md``
+for the contract with code generation and the runtime.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.errors import NNScalerError
+from nnscaler.parallel import files
+from nnscaler.parallel.broadcast import broadcast_gen_files
+from nnscaler.parallel.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
+from nnscaler.runtime.module import ParallelModule
+
+__all__ = ["ParallelizeError", "ReuseMismatchError", "parallelize"]
+
+
+class ParallelizeError(NNScalerError, RuntimeError):
+    """``parallelize`` cannot do what it was asked (the message says why and the fix)."""
+
+
+class ReuseMismatchError(ParallelizeError, ValueError):
+    """``ReuseType.MATCH`` found generated files made with a different configuration."""
+
+
+PolicyFn = Callable[[Any, ComputeConfig], Any]
+
+
+# -- argument checks (every rank, identical results) ------------------------------------
+def _check_module_arg(module_or_module_class: Any, module_fn: Any, module_dtype: Any) -> bool:
+    """Whether a class was given; raise on anything ``parallelize`` cannot take."""
+    if isinstance(module_or_module_class, type):
+        if not issubclass(module_or_module_class, torch.nn.Module):
+            raise TypeError(
+                f"parallelize takes a torch.nn.Module or a subclass of it, got the class "
+                f"{files.class_path(module_or_module_class)}"
+            )
+        if issubclass(module_or_module_class, ParallelModule):
+            raise ParallelizeError(
+                f"{module_or_module_class.__qualname__} is already a ParallelModule (generated "
+                f"code); parallelize the original module instead"
+            )
+        if module_fn is not None and not callable(module_fn):
+            raise TypeError(f"module_fn must be a callable that returns the module, got "
+                            f"{module_fn!r}")
+        if module_dtype is not None and not isinstance(module_dtype, torch.dtype):
+            raise TypeError(f"module_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, "
+                            f"got {module_dtype!r}")
+        return True
+    if not isinstance(module_or_module_class, torch.nn.Module):
+        raise TypeError(
+            f"parallelize takes a torch.nn.Module or a subclass of it, got "
+            f"{type(module_or_module_class).__name__} {module_or_module_class!r}"
+        )
+    if isinstance(module_or_module_class, ParallelModule):
+        raise ParallelizeError(
+            f"{type(module_or_module_class).__qualname__} is already a ParallelModule "
+            f"(generated code); parallelize the original module instead"
+        )
+    for name, value in (("module_fn", module_fn), ("module_dtype", module_dtype)):
+        if value is not None:
+            raise ValueError(
+                f"{name} only applies when a module class is given (it controls how "
+                f"parallelize builds the module); got {name}={value!r} with a module object. "
+                f"Build the module as you want it and pass it without {name}"
+                + (", e.g. module.to(dtype)" if name == "module_dtype" else "")
+            )
+    return False
+
+
+def _check_forward_signature(module_or_class: Any, dummy_forward_args: Any) -> None:
+    """Dummy arguments against ``forward``'s signature, without building the module."""
+    from nnscaler.trace import check_forward_args
+
+    if isinstance(module_or_class, torch.nn.Module):
+        check_forward_args(module_or_class, dummy_forward_args)
+        return
+    try:  # an instance with no __init__ run: enough to read the bound forward's signature
+        probe = module_or_class.__new__(module_or_class)
+    except Exception:  # noqa: BLE001 - an odd __new__: the trace checks the arguments later
+        return
+    check_forward_args(probe, dummy_forward_args)
+
+
+def _resolve_policy(pas_policy: Any) -> PolicyFn:
+    if isinstance(pas_policy, str):
+        from nnscaler.plugins import get_plugin_manager
+
+        return get_plugin_manager().policies.get(pas_policy)
+    if callable(pas_policy):
+        return pas_policy
+    raise TypeError(
+        f"pas_policy must be a registered policy name (e.g. 'dp', 'tp') or a callable "
+        f"(graph, compute_config) -> graph, got {type(pas_policy).__name__} {pas_policy!r}"
+    )
+
+
+def _dist_info() -> tuple[bool, int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank(), dist.get_world_size()
+    return False, 0, 1
+
+
+# -- building the module (rank 0) -------------------------------------------------------
+def _build(cls: type, module_fn: Callable[[], torch.nn.Module] | None,
+           module_dtype: torch.dtype | None, *, meta: bool) -> torch.nn.Module:
+    make = module_fn if module_fn is not None else cls
+    if meta:
+        with torch.device("meta"):
+            module = make()
+    else:
+        try:
+            module = make()
+        except TypeError as e:
+            if module_fn is None:
+                raise ParallelizeError(
+                    f"parallelize could not build {cls.__qualname__}() without arguments "
+                    f"({e}); pass module_fn=lambda: {cls.__qualname__}(...) to say how"
+                ) from e
+            raise
+    if not isinstance(module, cls):
+        raise TypeError(
+            f"module_fn must return an instance of {files.class_path(cls)}, got "
+            f"{type(module).__name__}"
+        )
+    if module_dtype is not None:
+        module = module.to(module_dtype)
+    return module
+
+
+def _check_no_nested(module: torch.nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, ParallelModule):
+            raise ParallelizeError(
+                f"{type(module).__qualname__} holds the ParallelModule "
+                f"{type(sub).__qualname__} at {name!r}: a parallel module cannot be "
+                f"parallelized again. Parallelize the original submodule inside the bigger "
+                f"model instead, or keep the parallel module outside the module you "
+                f"parallelize"
+            )
+
+
+class _Generator:
+    """What rank 0 (or every process, without torch.distributed) does: decide on reuse,
+    trace, plan, generate."""
+
+    def __init__(self, module_or_class: Any, is_class: bool, dummy_forward_args: Mapping[str, Any],
+                 pas_policy: Any, policy_fn: PolicyFn, compute_config: ComputeConfig,
+                 outdir: Path, reuse: ReuseType, instance_name: str | None,
+                 module_fn: Callable[[], torch.nn.Module] | None,
+                 module_dtype: torch.dtype | None) -> None:
+        self.given = module_or_class
+        self.is_class = is_class
+        self.cls: type = module_or_class if is_class else type(module_or_class)
+        self.args = dummy_forward_args
+        self.pas_policy = pas_policy
+        self.policy_fn = policy_fn
+        self.config = compute_config
+        self.outdir = outdir
+        self.reuse = reuse
+        self.instance_name = instance_name
+        self.module_fn = module_fn
+        self.module_dtype = module_dtype
+        self._module: torch.nn.Module | None = None
+
+    def module(self) -> torch.nn.Module:
+        """The real module (built from the class on first use)."""
+        if self._module is None:
+            if self.is_class:
+                self._module = _build(self.cls, self.module_fn, self.module_dtype, meta=False)
+            else:
+                self._module = self.given
+            _check_no_nested(self._module)
+        return self._module
+
+    def fingerprint_module(self) -> torch.nn.Module:
+        """A module to fingerprint: for a class, built on the meta device when possible."""
+        if self._module is not None or not self.is_class:
+            return self.module()
+        try:
+            probe = _build(self.cls, self.module_fn, self.module_dtype, meta=True)
+        except Exception:  # noqa: BLE001 - e.g. __init__ reads data: build it for real
+            return self.module()
+        _check_no_nested(probe)
+        return probe
+
+    def run(self) -> bool:
+        """Reuse or generate; True when new files were generated."""
+        saved = files.read_config(self.outdir)
+        module_fp = files.module_fingerprint(self.fingerprint_module())
+        inputs_fp = files.inputs_fingerprint(self.args)
+        match = files.match_key(self.config, self.pas_policy, module_fp, inputs_fp)
+        if saved is not None and self.reuse in (ReuseType.MATCH, ReuseType.MOO):
+            differences = files.diff(saved.get("match"), match)
+            if not differences:
+                self._warn_stale_weights(saved)
+                return False
+            if self.reuse is ReuseType.MATCH:
+                listed = "\n  ".join(differences)
+                raise ReuseMismatchError(
+                    f"reuse=MATCH: the generated files in {str(self.outdir)!r} were made with "
+                    f"a different configuration than this call; what differs (saved vs "
+                    f"now):\n  {listed}\nPass reuse='override' (or 'moo') to regenerate, or "
+                    f"instance_name='...' to keep both versions."
+                )
+        graph = None
+        if saved is not None and self.reuse is ReuseType.GRAPH:
+            graph = self._saved_graph(saved, match)
+        if graph is None:
+            from nnscaler.trace import trace
+
+            graph = trace(self.module(), self.args, strategy=self.config.trace_strategy)
+        # ReuseType other than MATCH: what was there goes, even if generation fails below
+        # (a MATCH call only gets here when there is no complete directory)
+        files.remove_dir(self.outdir)
+        with files.staging_dir(self.outdir) as tmp:
+            planned = self._plan(graph)
+            self._emit(planned, tmp)
+            try:
+                files.save_graph(graph, tmp / files.GRAPH_FILE)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                (tmp / files.GRAPH_FILE).unlink(missing_ok=True)
+                warnings.warn(f"the traced graph could not be saved for ReuseType.GRAPH "
+                              f"({type(e).__name__}: {e}); GRAPH reuse will trace again",
+                              stacklevel=3)
+            files.write_config(tmp, match, module_class=files.class_path(self.cls),
+                               instance_name=self.instance_name,
+                               extra={"graph_key": files.graph_key(match),
+                                      "weights_digest": files.weights_digest(self.module())})
+        return True
+
+    def _warn_stale_weights(self, saved: Mapping[str, Any]) -> None:
+        """Reused files start from the weights saved when they were generated: say so when
+        the module object given now holds other values."""
+        if self.is_class:
+            return
+        now = files.weights_digest(self.given)
+        if now is not None and saved.get("weights_digest") not in (None, now):
+            warnings.warn(
+                f"parallelize reused the files in {str(self.outdir)!r}; the parallel module "
+                f"starts from the weights saved with them ({files.WEIGHTS_FILE}), which differ "
+                f"from the weights {type(self.given).__qualname__} holds now. Load your "
+                f"weights into the parallel module (load_state_dict), or regenerate with "
+                f"reuse='override'",
+                stacklevel=4,
+            )
+
+    def _saved_graph(self, saved: Mapping[str, Any], match: Mapping[str, Any]) -> Any:
+        path = self.outdir / files.GRAPH_FILE
+        if saved.get("graph_key") != files.graph_key(match) or not path.is_file():
+            return None
+        try:
+            return files.load_graph(path)
+        except Exception as e:  # noqa: BLE001 - a stale or foreign pickle: trace again
+            warnings.warn(f"the saved graph {str(path)!r} could not be loaded "
+                          f"({type(e).__name__}: {e}); tracing again", stacklevel=3)
+            return None
+
+    def _plan(self, graph: Any) -> Any:
+        from nnscaler.graph import IRGraph
+
+        irgraph = IRGraph.from_graph(graph)
+        name = self.pas_policy if isinstance(self.pas_policy, str) else getattr(
+            self.pas_policy, "__qualname__", repr(self.pas_policy))
+        result = self.policy_fn(irgraph, self.config)
+        if result is None:  # a policy that edited the graph in place and returned nothing
+            result = irgraph
+        if not isinstance(result, IRGraph):
+            raise ParallelizeError(
+                f"the policy {name!r} must return the IRGraph it was given (after placing "
+                f"its ops), got {type(result).__name__}"
+            )
+        try:
+            result.check(self.config.plan_ngpus)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"(the plan of policy {name!r} for plan_ngpus="
+                           f"{self.config.plan_ngpus})")
+            raise
+        return result
+
+    def _emit(self, graph: Any, outdir: Path) -> None:
+        from nnscaler.codegen import emit_files
+
+        module = self.module()
+        emit_files(
+            graph, outdir, plan_ngpus=self.config.plan_ngpus,
+            runtime_ngpus=self.config.runtime_ngpus, state=module,
+            end2end=self.config.use_end2end, inference_only=self.config.inference_only,
+            compute_config=self.config, forward_signature=inspect.signature(module.forward),
+        )
+
+
+# -- rank 0 -> everyone -----------------------------------------------------------------
+def _share_outcome(outcome: Any, src: int = 0) -> Any:
+    """Send rank 0's outcome (``('ok', generated)`` or ``('error', exception)``) to every
+    rank, so that a failure on rank 0 fails every rank instead of hanging them."""
+    if outcome is not None and outcome[0] == "error":
+        try:
+            pickle.dumps(outcome[1])
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            exc = outcome[1]
+            outcome = ("error", ParallelizeError(f"{type(exc).__name__}: {exc}"))
+    box = [outcome]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def parallelize(
+    module_or_module_class: torch.nn.Module | type[torch.nn.Module],
+    dummy_forward_args: dict[str, Any],
+    pas_policy: str | PolicyFn,
+    compute_config: ComputeConfig,
+    *,
+    gen_savedir: str | os.PathLike[str] = "./.nnscaler",
+    reuse: ReuseType | str = ReuseType.MATCH,
+    instance_name: str | None = None,
+    load_module: bool = True,
+    module_dtype: torch.dtype | None = None,
+    module_fn: Callable[[], torch.nn.Module] | None = None,
+    init_module_params: bool = True,
+    broadcast_strategy: str | BroadcastGenFilesStrategy = "none",
+) -> Any:
+    """Turn a module (or module class) into a :class:`~nnscaler.runtime.ParallelModule`.
+
+    Traces ``forward`` on ``dummy_forward_args`` (keyed by argument name), calls the policy
+    (a registered name or ``(graph, compute_config) -> graph``), checks that every op was
+    placed, and generates ``gencode{rank}.py`` for every one of ``compute_config.
+    runtime_ngpus`` ranks under ``gen_savedir`` (reused according to ``reuse``). When
+    ``torch.distributed`` is initialized, rank 0 generates and the other ranks wait.
+
+    Returns the ParallelModule class when a class was given, an instance (built with
+    ``init_params=init_module_params``) when a module object was given, and None when
+    ``load_module`` is False (compiling needs no process group). See
+    ``docs/parallelize.md``.
+    """
+    # -- checks that every rank makes identically (so all fail together) --
+    is_class = _check_module_arg(module_or_module_class, module_fn, module_dtype)
+    if not isinstance(compute_config, ComputeConfig):
+        raise TypeError(f"compute_config must be a nnscaler.ComputeConfig, got "
+                        f"{type(compute_config).__name__}")
+    reuse = ReuseType.parse(reuse, "reuse")
+    strategy = BroadcastGenFilesStrategy.parse(broadcast_strategy, "broadcast_strategy")
+    files.check_instance_name(instance_name)
+    for name, value in (("load_module", load_module), ("init_module_params", init_module_params)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    _check_forward_signature(module_or_module_class, dummy_forward_args)
+    policy_fn = _resolve_policy(pas_policy)
+    distributed, rank, world_size = _dist_info()
+    if load_module:
+        if distributed and world_size != compute_config.runtime_ngpus:
+            raise ParallelizeError(
+                f"load_module=True: compute_config.runtime_ngpus ({compute_config.runtime_ngpus}) "
+                f"must equal the number of processes (torch.distributed world size "
+                f"{world_size}); launch {compute_config.runtime_ngpus} processes, change "
+                f"runtime_ngpus, or compile only with load_module=False"
+            )
+        if not distributed and compute_config.runtime_ngpus != 1:
+            raise ParallelizeError(
+                f"load_module=True needs torch.distributed with runtime_ngpus="
+                f"{compute_config.runtime_ngpus} processes, but it is not initialized; launch "
+                f"with torchrun (and call torch.distributed.init_process_group or "
+                f"nnscaler.runtime.init_distributed first), or compile only with "
+                f"load_module=False"
+            )
+    if strategy is not BroadcastGenFilesStrategy.NONE and not distributed:
+        raise ParallelizeError(
+            f"broadcast_strategy={strategy.value!r} sends files over torch.distributed, which "
+            f"is not initialized; use broadcast_strategy='none' outside torchrun"
+        )
+    module_class = module_or_module_class if is_class else type(module_or_module_class)
+    outdir = files.outdir_for(gen_savedir, module_class, instance_name)
+
+    # -- generation: rank 0 (or this process alone) --
+    generated = False
+    if rank == 0:
+        outcome: Any
+        try:
+            files.check_writable(gen_savedir)
+            gen = _Generator(module_or_module_class, is_class, dummy_forward_args, pas_policy,
+                             policy_fn, compute_config, outdir, reuse, instance_name,
+                             module_fn, module_dtype)
+            outcome = ("ok", gen.run())
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
+            if not distributed:
+                raise
+            outcome = ("error", e)
+    else:
+        outcome = None
+    if distributed:
+        outcome = _share_outcome(outcome)
+        if outcome[0] == "error":
+            exc = outcome[1]
+            if rank != 0 and hasattr(exc, "add_note"):
+                exc.add_note(f"(raised on rank 0, which generates the code; this is rank {rank})")
+            raise exc
+        generated = bool(outcome[1])
+        if generated and strategy is not BroadcastGenFilesStrategy.NONE:
+            broadcast_gen_files(outdir, strategy)
+        dist.barrier()
+    else:
+        generated = bool(outcome[1])
+
+    if not load_module:
+        return None
+    guard = _InputGradGuard.of(module_class, dummy_forward_args, compute_config.plan_ngpus)
+    return _load(outdir, rank, is_class, init_module_params, guard)
+
+
+class _InputGradGuard:
+    """A forward pre-hook: a floating-point input that needs a gradient at run time but
+    did not when traced gets an error instead of a wrong gradient.
+
+    Inside a scale unit of several devices, the gradient of an input is held as shares
+    until the generated code sums them (``boundary.input``), which it does only for inputs
+    that required grad when traced. A parallel submodule fed activations must therefore be
+    traced with dummy inputs that require grad, like the real ones.
+    """
+
+    def __init__(self, signature: inspect.Signature, traced: dict[str, list[bool]],
+                 cls_name: str) -> None:
+        self.signature = signature
+        self.traced = traced
+        self.cls_name = cls_name
+
+    @classmethod
+    def of(cls, module_class: type, dummy_forward_args: Mapping[str, Any],
+           plan_ngpus: int) -> _InputGradGuard | None:
+        if plan_ngpus == 1:
+            return None  # one device per unit: no shares to sum
+        traced = {
+            name: [t.requires_grad for t in _tensor_leaves(value)]
+            for name, value in dummy_forward_args.items()
+        }
+        if all(all(flags) for flags in traced.values()):
+            return None
+        try:
+            signature = inspect.signature(module_class.forward)
+        except (TypeError, ValueError):
+            return None
+        params = list(signature.parameters.values())[1:]  # drop self
+        return cls(signature.replace(parameters=params), traced, module_class.__qualname__)
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return  # the generated forward reports bad arguments itself
+        for name, value in bound.arguments.items():
+            flags = self.traced.get(name, [])
+            for i, t in enumerate(_tensor_leaves(value)):
+                if t.requires_grad and i < len(flags) and not flags[i]:
+                    raise ParallelizeError(
+                        f"{self.cls_name}.forward: the argument {name!r} requires grad, but "
+                        f"its dummy value did not when the module was parallelized, so the "
+                        f"generated code does not sum its gradient over the devices of the "
+                        f"scale unit (the gradient would be wrong). Parallelize with a dummy "
+                        f"that requires grad, e.g. {{{name!r}: x.detach().requires_grad_()}}, "
+                        f"or detach the input"
+                    )
+
+    def install(self, pm: torch.nn.Module) -> None:
+        pm.register_forward_pre_hook(self, with_kwargs=True)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    import torch.utils._pytree as pytree
+
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _guarded_class(cls: type, guard: _InputGradGuard) -> type:
+    """A subclass of the generated class whose instances install ``guard``."""
+
+    def __init__(self: Any, init_params: bool = True) -> None:
+        cls.__init__(self, init_params)
+        guard.install(self)
+
+    return type(cls.__name__, (cls,), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "__init__": __init__, "__doc__": cls.__doc__,
+    })
+
+
+def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
+          guard: _InputGradGuard | None) -> Any:
+    from nnscaler.codegen import load_generated_class
+
+    path = outdir / files.gencode_name(rank)
+    found = path.is_file()
+    missing = [rank] if not found else []
+    if dist.is_available() and dist.is_initialized():  # fail together, not hang in __init__
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        missing = [r for r, ok in enumerate(everyone) if not ok]
+    if missing:
+        where = f"{str(path)!r} does not exist" if not found else (
+            f"their {files.gencode_name(missing[0])} is not in their gen_savedir")
+        raise ParallelizeError(
+            f"rank(s) {missing} cannot load their generated code: {where}. With "
+            f"broadcast_strategy='none' the files rank 0 generated must reach every node (a "
+            f"shared gen_savedir, or copy them); or pass broadcast_strategy='all'"
+        )
+    cls = load_generated_class(outdir, rank)
+    if is_class:
+        return cls if guard is None else _guarded_class(cls, guard)
+    pm = cls(init_params=init_module_params)
+    if guard is not None:
+        guard.install(pm)
+    return pm

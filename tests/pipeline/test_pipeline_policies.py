@@ -1,0 +1,123 @@
+"""The pp and hybrid policies: registration, where they cut, how they place, and the
+errors for settings they cannot plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipeline_helpers import case, config, plan
+
+from nnscaler.errors import UnknownNameError
+from nnscaler.graph import IRGraph, run_plan
+from nnscaler.plugins import get_plugin_manager
+from nnscaler.policies import PolicyError, hybrid, pp
+from nnscaler.policies.pipeline import cut_points, op_cost
+
+
+@pytest.mark.parametrize("name,policy", [("pp", pp), ("hybrid", hybrid)])
+def test_registered_by_the_builtin_plugin(name, policy, fresh_plugins):
+    pm = get_plugin_manager()
+    assert pm.policies.get(name) is policy
+    assert pm.policies.registrant(name) == "nnscaler.policies"
+
+
+@pytest.mark.parametrize("name", ["mlp8", "gpt", "hf_gpt2"])
+@pytest.mark.parametrize("policy,ngpus,nstages", [("pp", 2, 2), ("pp", 4, 4), ("hybrid", 4, 2)])
+def test_plans_reproduce_the_model(name, policy, ngpus, nstages):
+    """Every op placed on its stage's devices; the plan computes the model's loss and
+    gradients (run_plan, one process)."""
+    cfg = config(ngpus, pipeline_nstages=nstages, pipeline_nmicros=2)
+    graph = plan(name, {"pp": pp, "hybrid": hybrid}[policy], cfg)
+    k = ngpus // nstages
+    for op in graph.nodes():
+        assert op.stage * k <= op.device < (op.stage + 1) * k
+    module = case(name).module
+    batch = case(name).make_batch(0)
+    module.zero_grad(set_to_none=True)
+    want = module(batch)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    got = run_plan(graph, module, {"batch": batch})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward()
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
+    module.zero_grad(set_to_none=True)
+
+
+def test_gpt_is_cut_between_blocks_into_balanced_stages():
+    graph = plan("gpt", pp, config(2, pipeline_nmicros=2))
+    first = next(op for op in graph.nodes() if op.stage == 1)
+    assert first.module_path == "gpt.blocks.2.ln_1"  # 4 blocks: 2 per stage
+    graph = plan("hf_gpt2", pp, config(4, pipeline_nmicros=2))
+    starts = [next(op for op in graph.nodes() if op.stage == s).module_path for s in (1, 2, 3)]
+    assert starts == [f"model.transformer.h.{k}.ln_1" for k in (1, 2, 3)]
+
+
+def test_interleaved_cuts_two_stages_per_device():
+    graph = plan("mlp8", pp, config(2, pipeline_nmicros=2, pipeline_scheduler="1f1b_interleaved"))
+    assert sorted({(op.stage, op.device) for op in graph.nodes()}) == [
+        (0, 0), (1, 1), (2, 0), (3, 1)]
+
+
+def test_cut_points_balance_the_cost():
+    ops = IRGraph.from_graph(case("mlp8").graph).nodes()
+    cuts = cut_points(ops, 4)
+    costs = [op_cost(op) for op in ops]
+    bounds = [0, *cuts, len(ops)]
+    per_stage = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert max(per_stage) <= 1.5 * sum(costs) / 4
+
+
+def test_linear_cost_counts_the_contracted_dim():
+    ops = IRGraph.from_graph(case("mlp8").graph).nodes()
+    linear = next(op for op in ops if op.name.endswith("linear"))
+    assert op_cost(linear) == 4 * 8 * 16  # batch x in x out
+
+
+@pytest.mark.parametrize("policy,ngpus,nstages,message", [
+    (pp, 2, 4, r"policy 'pp': pas_config\['pipeline_nstages'\] asks for 4 pipeline stages, "
+               r"but the scale unit has plan_ngpus=2 devices and each stage needs a device of "
+               r"its own. Use pipeline_nstages <= 2"),
+    (hybrid, 4, 8, r"policy 'hybrid': pas_config\['pipeline_nstages'\] asks for 8 pipeline "
+                   r"stages, but the scale unit has plan_ngpus=4 devices"),
+    (hybrid, 4, 3, r"must divide plan_ngpus=4; use one of \[1, 2, 4\]"),
+    (pp, 4, 2, r"pipeline_nstages must be plan_ngpus=4; got 2. Use pipeline_nstages=4, or "
+               r"the 'hybrid' policy"),
+])
+def test_more_stages_than_devices(policy, ngpus, nstages, message):
+    with pytest.raises(PolicyError, match=message):
+        plan("mlp8", policy, config(ngpus, pipeline_nstages=nstages, pipeline_nmicros=2))
+
+
+@pytest.mark.parametrize("policy", [pp, hybrid])
+def test_a_non_end2end_module(policy):
+    cfg = config(2, pipeline_nstages=2, pipeline_nmicros=2)
+    cfg.use_end2end = False
+    with pytest.raises(PolicyError) as e:
+        plan("mlp8", policy, cfg)
+    assert "the module must be end2end" in str(e.value)
+    assert "compute_config.use_end2end is False" in str(e.value)
+    assert "ComputeConfig(use_end2end=True)" in str(e.value)
+
+
+def test_an_unknown_scheduler_lists_the_registered_ones(fresh_plugins):
+    with pytest.raises(UnknownNameError) as e:
+        plan("mlp8", pp, config(2, pipeline_nmicros=2, pipeline_scheduler="1f1b_zb"))
+    text = str(e.value)
+    assert "no schedule named '1f1b_zb' is registered" in text
+    assert "Registered schedules: 1f1b, 1f1b_interleaved, gpipe" in text
+
+
+@pytest.mark.parametrize("pas,message", [
+    ({}, r"pas_config\['pipeline_nmicros'\] \(the number of micro-batches of each "
+         r"train_step\) is required"),
+    ({"pipeline_nmicros": 0}, r"pipeline_nmicros'\] is the number of micro-batches of each "
+                              r"train_step, a positive int; got 0"),
+    ({"pipeline_nmicros": 2, "pipeline_scheduler": 3}, r"name of a registered schedule"),
+    ({"pipeline_nmicros": 2, "hybrid": 1, "pipeline_nvirtual": 0}, r"pipeline_nvirtual"),
+])
+def test_bad_pipeline_options(pas, message):
+    with pytest.raises(PolicyError, match=message):
+        plan("mlp8", pp, config(2, **pas))
