@@ -274,6 +274,12 @@ def build_optimizer(
         state.synced = False
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    if state.parallel_modules:
+        # state_dict() records which tensor each entry is, so checkpoints merge whatever
+        # the parameter groups, and load_state_dict() checks it (nnscaler.checkpoint)
+        from nnscaler.checkpoint import track_optimizer
+
+        track_optimizer(optimizer, module)
     return optimizer
 
 
