@@ -1,5 +1,6 @@
 """Parity on models nobody here wrote: tiny random Hugging Face Llama and GPT-2, trained 3
-Adam steps with ``tp`` on 2 processes (plan_ngpus=2) against one process."""
+Adam steps with ``dp``, ``tp`` and ``data`` (with ZeRO, the async reducer and several
+scale units spread over the cases) against one process that sees every unit's samples."""
 
 from __future__ import annotations
 
@@ -41,44 +42,70 @@ def make(kind: str) -> nn.Module:
     return WithLoss(transformers.GPT2LMHeadModel(config))
 
 
-def batches(steps: int) -> list[dict[str, torch.Tensor]]:
+def batches(steps: int, units: int) -> list[list[dict[str, torch.Tensor]]]:
+    """``batches[step][unit]``: every scale unit sees its own samples."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 8), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
+        step = []
+        for _ in range(units):
+            ids = torch.randint(0, VOCAB, (2, 8), generator=g)
+            step.append({"input_ids": ids, "labels": ids.clone()})
+        out.append(step)
     return out
 
 
-def _worker(rank, world, kind, gen_savedir):
+def _worker(rank, world, kind, policy, plan, options, gen_savedir):
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     warnings.simplefilter("ignore")
-    data = batches(3)
+    units = world // plan
+    data = batches(3, units)
+    # the reference: one process, gradients summed over every unit's samples
     ref = make(kind)
     ref_opt = torch.optim.Adam(ref.parameters(), **ADAM)
     ref_losses = []
-    for batch in data:
-        loss = ref(batch)
-        loss.backward()
+    for step in data:
+        for batch in step:
+            loss = ref(batch)
+            loss.backward()
+            ref_losses.append(loss.item())
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_losses.append(loss.item())
     ref_state = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
-    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=world, use_end2end=True)
-    pm = parallelize(make(kind), {"batch": data[0]}, "tp", cfg, gen_savedir=gen_savedir)
+    cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True, **options)
+    pm = parallelize(make(kind), {"batch": data[0][0]}, policy, cfg, gen_savedir=gen_savedir)
     opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+    unit = rank // plan
     losses = []
-    for batch in data:
-        losses += [float(x) for x in pm.train_step([batch])]
+    for step in data:
+        losses += [float(x) for x in pm.train_step([step[unit]])]
         opt.step()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                               atol=1e-6)
+    mine = [ref_losses[i * units + unit] for i in range(len(data))]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(mine), rtol=1e-5, atol=1e-6)
     # weights to within 0.5% of one step (lr 1e-2): a few elements whose gradient is a
     # near-cancelling sum come out of Adam a few 1e-5 apart in different summation orders
     return check_pieces(pm, ref_state, rtol=1e-4, atol=5e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_hf_tp_parity(tmp_path, kind):
-    assert all(n > 0 for n in run_distributed(_worker, 2, kind, str(tmp_path)))
+# every model with every policy; ZeRO, the async reducer and several scale units spread
+# over the cases (plan_ngpus, runtime_ngpus, options)
+CASES = [
+    ("llama", "tp", 2, 2, {}),
+    ("gpt2", "tp", 2, 2, {}),
+    ("llama", "dp", 1, 2, {"use_zero": True}),
+    ("gpt2", "dp", 1, 2, {"use_async_reducer": True}),
+    ("llama", "data", 2, 4, {"use_async_reducer": True}),
+    ("gpt2", "data", 2, 2, {"use_zero": True}),
+    ("llama", "tp", 2, 4, {"use_zero": True, "use_async_reducer": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, policy, plan, world, options",
+    CASES,
+    ids=[f"{k}-{p}-{n}x{w}-{'-'.join(o) or 'plain'}" for k, p, n, w, o in CASES],
+)
+def test_hf_parity(tmp_path, kind, policy, plan, world, options):
+    results = run_distributed(_worker, world, kind, policy, plan, options, str(tmp_path))
+    assert all(n > 0 for n in results)
