@@ -59,10 +59,17 @@ def _join(inputs: list[str], outputs: list[str]) -> str:
 
 
 def _dense_annotation(
-    q_kv: list[str], nheads_q: int, nheads_k: int, alibi_slopes: torch.Tensor | None, whole: bool
+    fn: str,
+    tensors: tuple[torch.Tensor, ...],
+    q_kv: list[str],
+    options: checks.Options,
+    return_attn_probs: bool,
 ) -> str:
-    """``q_kv``: templates of the tensor inputs with ``{b} {s} {t} {qh} {kh} {d}`` fields."""
-    if whole:
+    """Check a dense call (:func:`checks.check_dense_call`) and annotate it; ``q_kv``:
+    templates of its tensors with ``{b} {s} {t} {qh} {kh} {d}`` fields."""
+    _, shapes = checks.check_dense_call(fn, tensors, options)
+    nheads_q, nheads_k, alibi_slopes = shapes.nheads_q, shapes.nheads_k, options.alibi_slopes
+    if return_attn_probs:
         fields = {"b": "b^", "s": "s^", "t": "t^", "qh": "h^", "kh": "g^", "d": "d^"}
         if nheads_k == 1:
             fields["kh"] = "1"
@@ -72,9 +79,6 @@ def _dense_annotation(
     fields = {"b": "b", "s": "s^", "t": "t^", "qh": qh, "kh": kh, "d": "d^"}
     inputs = [t.format(**fields) for t in q_kv] + _alibi(alibi_slopes, qh, "b")
     return _join(inputs, [f"b s^ {qh} d^"])
-
-
-_QKV = ["{b} {s} {qh} {d}", "{b} {t} {kh} {d}", "{b} {t} {kh} {d}"]
 
 
 def flash_attn_func_annotation(
@@ -91,12 +95,9 @@ def flash_attn_func_annotation(
     return_attn_probs: bool = False,
 ) -> str:
     """E.g. ``b s^ (h r^) d^, b t^ h d^, b t^ h d^ -> b s^ (h r^) d^`` (GQA)."""
-    shapes = checks.check_dense(
-        "flash_attn_func", q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes
-    )
-    return _dense_annotation(
-        _QKV, shapes.nheads_q, shapes.nheads_k, alibi_slopes, bool(return_attn_probs)
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    templates = ["{b} {s} {qh} {d}", "{b} {t} {kh} {d}", "{b} {t} {kh} {d}"]
+    return _dense_annotation("flash_attn_func", (q, k, v), templates, options, return_attn_probs)
 
 
 def flash_attn_kvpacked_func_annotation(
@@ -112,14 +113,10 @@ def flash_attn_kvpacked_func_annotation(
     return_attn_probs: bool = False,
 ) -> str:
     """E.g. ``b s^ (h r^) d^, b t^ 2 h d^ -> b s^ (h r^) d^`` (GQA)."""
-    fn = "flash_attn_kvpacked_func"
-    k, v = checks.split_packed(fn, kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    shapes = checks.check_dense(
-        fn, q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     templates = ["{b} {s} {qh} {d}", "{b} {t} 2 {kh} {d}"]
     return _dense_annotation(
-        templates, shapes.nheads_q, shapes.nheads_k, alibi_slopes, bool(return_attn_probs)
+        "flash_attn_kvpacked_func", (q, kv), templates, options, return_attn_probs
     )
 
 
@@ -135,14 +132,11 @@ def flash_attn_qkvpacked_func_annotation(
     return_attn_probs: bool = False,
 ) -> str:
     """E.g. ``b s^ 3 h d^ -> b s^ h d^``."""
-    fn = "flash_attn_qkvpacked_func"
-    q, k, v = checks.split_packed(fn, qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
-    checks.check_dense(fn, q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    if return_attn_probs:
-        return _join(
-            ["b^ s^ 3 h^ d^", *_alibi(alibi_slopes, "h^", "b^")], ["b^ s^ h^ d^", "?", "?"]
-        )
-    return _join(["b s^ 3 h d^", *_alibi(alibi_slopes, "h", "b")], ["b s^ h d^"])
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    templates = ["{b} {s} 3 {qh} {d}"]
+    return _dense_annotation(
+        "flash_attn_qkvpacked_func", (qkv,), templates, options, return_attn_probs
+    )
 
 
 def flash_attn_varlen_func_annotation(
@@ -168,19 +162,9 @@ def flash_attn_varlen_func_annotation(
     The packed token dims (``u`` for queries, ``w`` for keys) are never split and the
     ``cu_seqlens`` are taken whole: only the heads split.
     """
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     shapes = checks.check_varlen(
-        "flash_attn_varlen_func",
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        window_size,
-        softcap,
-        alibi_slopes,
-        block_table,
+        "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, options, block_table
     )
     kv_tokens = "w^ p^" if shapes.paged else "w^"
     if return_attn_probs:

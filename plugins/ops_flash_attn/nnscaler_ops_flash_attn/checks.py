@@ -84,10 +84,21 @@ def check_dtypes(fn: str, **tensors: torch.Tensor) -> None:
         )
 
 
-def check_options(
-    fn: str, dropout_p: Any, window_size: Any, softcap: Any, softmax_scale: Any
-) -> tuple[int, int]:
+@attrs.frozen(eq=False)
+class Options:
+    """The options every flash-attn function takes after its tensors, in flash-attn's order."""
+
+    dropout_p: Any = 0.0
+    softmax_scale: Any = None
+    causal: Any = False
+    window_size: Any = (-1, -1)
+    softcap: Any = 0.0
+    alibi_slopes: Any = None
+
+
+def check_options(fn: str, options: Options) -> tuple[int, int]:
     """Validate the scalar options; returns ``window_size`` as a pair of ints."""
+    dropout_p, window_size, softcap = options.dropout_p, options.window_size, options.softcap
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"{fn}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if (
@@ -101,6 +112,7 @@ def check_options(
         )
     if not isinstance(softcap, (int, float)) or float(softcap) < 0.0:
         raise ValueError(f"{fn}: softcap must be a float >= 0 (0 disables it), got {softcap!r}")
+    softmax_scale = options.softmax_scale
     if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"{fn}: softmax_scale must be a float or None, got {softmax_scale!r}")
     return int(window_size[0]), int(window_size[1])
@@ -121,17 +133,7 @@ def check_alibi(fn: str, alibi_slopes: Any, nheads_q: int, batch: int, batch_nam
         )
 
 
-def check_dense(
-    fn: str,
-    q: Any,
-    k: Any,
-    v: Any,
-    dropout_p: Any = 0.0,
-    softmax_scale: Any = None,
-    window_size: Any = (-1, -1),
-    softcap: Any = 0.0,
-    alibi_slopes: Any = None,
-) -> DenseShapes:
+def check_dense(fn: str, q: Any, k: Any, v: Any, options: Options = Options()) -> DenseShapes:
     """Check a ``flash_attn_func`` call; returns its sizes."""
     layout = "(batch, seqlen, nheads, headdim)"
     _require_tensor(fn, "q", q, 4, layout)
@@ -150,8 +152,8 @@ def check_dense(
         )
     check_headdims(fn, q, k, v)
     check_heads(fn, q.shape[2], k.shape[2])
-    check_options(fn, dropout_p, window_size, softcap, softmax_scale)
-    check_alibi(fn, alibi_slopes, q.shape[2], q.shape[0], "batch")
+    check_options(fn, options)
+    check_alibi(fn, options.alibi_slopes, q.shape[2], q.shape[0], "batch")
     return DenseShapes(
         batch=q.shape[0],
         seqlen_q=q.shape[1],
@@ -179,11 +181,7 @@ def check_varlen(
     v: Any,
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
-    dropout_p: Any = 0.0,
-    softmax_scale: Any = None,
-    window_size: Any = (-1, -1),
-    softcap: Any = 0.0,
-    alibi_slopes: Any = None,
+    options: Options = Options(),
     block_table: Any = None,
 ) -> VarlenShapes:
     """Check a ``flash_attn_varlen_func`` call (shapes only; cu_seqlens values are not read)."""
@@ -211,8 +209,8 @@ def check_varlen(
             f"{fn}: cu_seqlens_q describes {nq} sequences and cu_seqlens_k {nk}; they must "
             f"describe the same sequences"
         )
-    check_options(fn, dropout_p, window_size, softcap, softmax_scale)
-    check_alibi(fn, alibi_slopes, q.shape[1], nq, "nseqs")
+    check_options(fn, options)
+    check_alibi(fn, options.alibi_slopes, q.shape[1], nq, "nseqs")
     return VarlenShapes(
         total_q=q.shape[0],
         nheads_q=q.shape[1],
@@ -233,3 +231,22 @@ def split_packed(
             f"{fn}: dim 2 of {name} must have size {count} {layout}, got shape {tuple(packed.shape)}"
         )
     return tuple(packed.unbind(2))
+
+
+#: the packed tensor of each packed dense function: its name, how many it stacks, its layout
+_PACKED = {
+    "flash_attn_qkvpacked_func": ("qkv", 3, "(batch, seqlen, 3, nheads, headdim)"),
+    "flash_attn_kvpacked_func": ("kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)"),
+}
+
+
+def check_dense_call(
+    fn: str, tensors: tuple[Any, ...], options: Options
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], DenseShapes]:
+    """Check a dense call whose tensors are ``(q, k, v)``, or ``(q, kv)`` / ``(qkv,)`` for
+    the packed functions (by ``fn``); returns ``(q, k, v)`` unpacked, and the sizes."""
+    if fn in _PACKED:
+        name, count, layout = _PACKED[fn]
+        tensors = (*tensors[:-1], *split_packed(fn, tensors[-1], name, count, layout))
+    q, k, v = tensors
+    return (q, k, v), check_dense(fn, q, k, v, options)

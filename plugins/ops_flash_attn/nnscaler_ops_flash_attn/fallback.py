@@ -20,10 +20,11 @@ needs the scores themselves, so it takes an explicit softmax path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import attrs
 import torch
 import torch.nn.functional as F
+
+from nnscaler_ops_flash_attn.checks import Options
 
 #: ``scaled_dot_product_attention(enable_gqa=...)`` appeared in torch 2.5
 _SDPA_HAS_GQA = torch.__version__ >= (2, 5)  # type: ignore[operator]
@@ -74,13 +75,8 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    options: Options = Options(),
     *,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: Sequence[int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
     return_attn_probs: bool = False,
     fn: str = "flash_attn_func",
 ) -> torch.Tensor:
@@ -96,8 +92,10 @@ def attention(
         )
     b, sq, hq, d = q.shape
     sk = k.shape[1]
+    softmax_scale, causal, softcap = options.softmax_scale, options.causal, options.softcap
+    alibi_slopes, dropout_p = options.alibi_slopes, options.dropout_p
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
-    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    window = (int(options.window_size[0]), 0 if causal else int(options.window_size[1]))
     if sk == 0 or sq == 0:  # nothing to attend to: flash-attn returns zeros
         return q.new_zeros(b, sq, hq, v.shape[-1])
 
@@ -198,13 +196,8 @@ def varlen_attention(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    options: Options = Options(),
     *,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: Sequence[int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     fn: str = "flash_attn_varlen_func",
@@ -232,21 +225,10 @@ def varlen_attention(
         qs = q[cq[n] : cq[n + 1]].unsqueeze(0)
         ks = k[ck[n] : ck[n + 1]].unsqueeze(0)
         vs = v[ck[n] : ck[n + 1]].unsqueeze(0)
-        slopes = (
-            alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[n]
-        )
-        out = attention(
-            qs,
-            ks,
-            vs,
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=slopes,
-            fn=fn,
-        )
+        slopes = options.alibi_slopes
+        if slopes is not None and slopes.dim() != 1:  # (nseqs, nheads): this sequence's
+            slopes = slopes[n]
+        out = attention(qs, ks, vs, attrs.evolve(options, alibi_slopes=slopes), fn=fn)
         parts.append(out[0])
     if cq[-1] < q.shape[0]:
         parts.append(q.new_zeros(q.shape[0] - cq[-1], q.shape[1], v.shape[-1]))

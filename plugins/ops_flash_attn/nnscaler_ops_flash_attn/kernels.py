@@ -44,28 +44,38 @@ def _use_flash_attn(q: torch.Tensor) -> ModuleType | None:
     return _flash_attn_module()
 
 
-def _options(
-    dropout_p: float,
-    softmax_scale: float | None,
-    causal: bool,
-    window_size: tuple[int, int],
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    deterministic: bool,
-    return_attn_probs: bool,
+def _flash_attn_kwargs(
+    options: checks.Options, deterministic: bool, return_attn_probs: bool
 ) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "dropout_p": dropout_p,
-        "softmax_scale": softmax_scale,
-        "causal": causal,
-        "window_size": window_size,
-        "alibi_slopes": alibi_slopes,
+    kwargs: dict[str, Any] = {
+        "dropout_p": options.dropout_p,
+        "softmax_scale": options.softmax_scale,
+        "causal": options.causal,
+        "window_size": tuple(options.window_size),
+        "alibi_slopes": options.alibi_slopes,
         "deterministic": deterministic,
         "return_attn_probs": return_attn_probs,
     }
-    if softcap:  # flash-attn releases before 2.6 have no softcap argument
-        options["softcap"] = softcap
-    return options
+    if options.softcap:  # flash-attn releases before 2.6 have no softcap argument
+        kwargs["softcap"] = options.softcap
+    return kwargs
+
+
+def _dense(
+    fn: str,
+    tensors: tuple[torch.Tensor, ...],
+    options: checks.Options,
+    deterministic: bool,
+    return_attn_probs: bool,
+) -> Result:
+    """Check, then run ``flash_attn.<fn>(*tensors, ...)`` or the fallback on the unpacked
+    ``q, k, v`` (``tensors``: ``(q, k, v)``, ``(q, kv)`` or ``(qkv,)``)."""
+    (q, k, v), _ = checks.check_dense_call(fn, tensors, options)
+    fa = _use_flash_attn(tensors[0])
+    if fa is not None:
+        kwargs = _flash_attn_kwargs(options, deterministic, return_attn_probs)
+        return getattr(fa, fn)(*tensors, **kwargs)
+    return fallback.attention(q, k, v, options, return_attn_probs=return_attn_probs, fn=fn)
 
 
 def flash_attn_func(
@@ -90,38 +100,8 @@ def flash_attn_func(
     ``(nheads,)`` or ``(batch, nheads)``. ``deterministic`` only matters to flash-attn's
     backward. ``return_attn_probs=True`` needs flash-attn on CUDA.
     """
-    fn = "flash_attn_func"
-    checks.check_dense(fn, q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    fa = _use_flash_attn(q)
-    if fa is not None:
-        return fa.flash_attn_func(
-            q,
-            k,
-            v,
-            **_options(
-                dropout_p,
-                softmax_scale,
-                causal,
-                tuple(window_size),
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_attn_probs,
-            ),
-        )
-    return fallback.attention(
-        q,
-        k,
-        v,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
-        fn=fn,
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _dense("flash_attn_func", (q, k, v), options, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -152,36 +132,15 @@ def flash_attn_varlen_func(
     ``block_table`` (paged k/v) and ``return_attn_probs=True`` need flash-attn on CUDA.
     """
     fn = "flash_attn_varlen_func"
-    checks.check_varlen(
-        fn,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        window_size,
-        softcap,
-        alibi_slopes,
-        block_table,
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    checks.check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, options, block_table)
     fa = _use_flash_attn(q)
     if fa is not None:
-        options = _options(
-            dropout_p,
-            softmax_scale,
-            causal,
-            tuple(window_size),
-            softcap,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-        )
+        kwargs = _flash_attn_kwargs(options, deterministic, return_attn_probs)
         if block_table is not None:
-            options["block_table"] = block_table
+            kwargs["block_table"] = block_table
         return fa.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs
         )
     return fallback.varlen_attention(
         q,
@@ -191,12 +150,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
+        options,
         return_attn_probs=return_attn_probs,
         block_table=block_table,
         fn=fn,
@@ -215,37 +169,8 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
 ) -> Result:
     """:func:`flash_attn_func` with ``qkv (batch, seqlen, 3, nheads, headdim)`` stacked."""
-    fn = "flash_attn_qkvpacked_func"
-    q, k, v = checks.split_packed(fn, qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
-    checks.check_dense(fn, q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    fa = _use_flash_attn(qkv)
-    if fa is not None:
-        return fa.flash_attn_qkvpacked_func(
-            qkv,
-            **_options(
-                dropout_p,
-                softmax_scale,
-                causal,
-                tuple(window_size),
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_attn_probs,
-            ),
-        )
-    return fallback.attention(
-        q,
-        k,
-        v,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
-        fn=fn,
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _dense("flash_attn_qkvpacked_func", (qkv,), options, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -261,35 +186,5 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
 ) -> Result:
     """:func:`flash_attn_func` with ``kv (batch, seqlen_k, 2, nheads_k, headdim)`` stacked."""
-    fn = "flash_attn_kvpacked_func"
-    k, v = checks.split_packed(fn, kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    checks.check_dense(fn, q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    fa = _use_flash_attn(q)
-    if fa is not None:
-        return fa.flash_attn_kvpacked_func(
-            q,
-            kv,
-            **_options(
-                dropout_p,
-                softmax_scale,
-                causal,
-                tuple(window_size),
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_attn_probs,
-            ),
-        )
-    return fallback.attention(
-        q,
-        k,
-        v,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
-        fn=fn,
-    )
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _dense("flash_attn_kvpacked_func", (q, kv), options, deterministic, return_attn_probs)

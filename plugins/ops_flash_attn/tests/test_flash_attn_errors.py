@@ -120,92 +120,61 @@ def test_dense_errors(case: str):
     )
 
 
-def test_packed_errors():
-    _raises_both(
-        "flash_attn.flash_attn_qkvpacked_func",
+PACKED_CASES = {
+    "qkv_dim_2": (
         flash_attn_qkvpacked_func,
         (torch.randn(2, 3, 2, 4, 8),),
-        {},
-        ValueError,
-        r"flash_attn_qkvpacked_func: dim 2 of qkv must have size 3",
-    )
-    _raises_both(
-        "flash_attn.flash_attn_kvpacked_func",
+        r"dim 2 of qkv must have size 3",
+    ),
+    "kv_heads_not_divisible": (
         flash_attn_kvpacked_func,
         (torch.randn(2, 3, 6, 8), torch.randn(2, 3, 2, 4, 8)),
-        {},
-        ValueError,
-        r"flash_attn_kvpacked_func: q has 6 heads and k/v has 4",
-    )
+        r"q has 6 heads and k/v has 4",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_packed_errors(case: str):
+    fn, args, match = PACKED_CASES[case]
+    name = fn.__name__
+    _raises_both(f"flash_attn.{name}", fn, args, {}, ValueError, f"{name}: " + match)
 
 
 def _cu(*offsets: int) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int32)
 
 
+def _varlen_args(q_shape=(5, 2, 8), kv_shape=(5, 2, 8), cu_seqlens_q=None) -> tuple:
+    """A varlen call on one sequence of 5 tokens, with the given shapes and ``cu_seqlens_q``."""
+    cu_q = _cu(0, 5) if cu_seqlens_q is None else cu_seqlens_q
+    k, v = torch.randn(*kv_shape), torch.randn(*kv_shape)
+    return (torch.randn(*q_shape), k, v, cu_q, _cu(0, 5), 5, 5)
+
+
 VARLEN_CASES = {
     "heads_not_divisible": (
-        (
-            torch.randn(5, 3, 8),
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            _cu(0, 5),
-            _cu(0, 5),
-            5,
-            5,
-        ),
+        _varlen_args(q_shape=(5, 3, 8)),
         ValueError,
         r"q has 3 heads and k/v has 2",
     ),
     "head_dims_differ": (
-        (
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 4),
-            torch.randn(5, 2, 4),
-            _cu(0, 5),
-            _cu(0, 5),
-            5,
-            5,
-        ),
+        _varlen_args(kv_shape=(5, 2, 4)),
         ValueError,
         r"head dims differ: q has 8, k has 4",
     ),
     "dense_layout": (
-        (
-            torch.randn(1, 5, 2, 8),
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            _cu(0, 5),
-            _cu(0, 5),
-            5,
-            5,
-        ),
+        _varlen_args(q_shape=(1, 5, 2, 8)),
         ValueError,
         r"q must have 3 dims \(total_q, nheads, headdim\)",
     ),
     "sequence_counts_differ": (
-        (
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            _cu(0, 2, 5),
-            _cu(0, 5),
-            5,
-            5,
-        ),
+        _varlen_args(cu_seqlens_q=_cu(0, 2, 5)),
         ValueError,
         r"cu_seqlens_q describes 2 sequences and cu_seqlens_k 1",
     ),
     "float_offsets": (
-        (
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            torch.randn(5, 2, 8),
-            torch.tensor([0.0, 5.0]),
-            _cu(0, 5),
-            5,
-            5,
-        ),
+        _varlen_args(cu_seqlens_q=torch.tensor([0.0, 5.0])),
         TypeError,
         r"cu_seqlens_q must hold integers",
     ),
