@@ -209,7 +209,7 @@ class IRGraph(Graph):
             self._origin[inst] = origin
             self._parent[inst] = (op, label)
         self._replaced[op] = tuple(instances)
-        self.reindex()
+        self.reindex_replaced(op, list(instances))
 
     def _new_op(self, op: Op, **changes: Any) -> Op:
         plan = OpPlan(stage=op.plan.stage, recompute=op.plan.recompute)

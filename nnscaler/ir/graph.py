@@ -74,6 +74,27 @@ class Graph:
         for op in self.ops:
             self._index(op)
 
+    def reindex_replaced(self, op: Op, instances: list[Op]) -> None:
+        """Update producers and consumers after ``op`` was replaced, at its place in
+        :attr:`ops`, by ``instances`` that read and write the same full tensors (a
+        partition or a replication): linear in the size of the lists touched, where
+        :meth:`reindex` is linear in the graph."""
+
+        def fulls(ops: list[Op], kind: str) -> list[dict[FullTensor, None]]:
+            attr = "input_tensors" if kind == "in" else "output_tensors"
+            return [dict.fromkeys(t.full for t in getattr(o, attr)()) for o in ops]
+
+        for kind, index in (("in", self._consumers), ("out", self._producers)):
+            (mine,) = fulls([op], kind)
+            theirs = fulls(instances, kind)
+            if any(f.keys() != mine.keys() for f in theirs):
+                self.reindex()  # the instances touch other tensors: rebuild everything
+                return
+            for full in mine:
+                ops = index[full]
+                at = ops.index(op)
+                ops[at:at + 1] = instances
+
     # -- queries ------------------------------------------------------------------------
     def producers(self, tensor: FullTensor | SubTensor) -> list[Op]:
         """The ops that write ``tensor`` (one in a traced graph; several once partitioned)."""

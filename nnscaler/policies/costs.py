@@ -20,6 +20,7 @@ the adapters of a planned graph; the ``tp`` policy uses the same arithmetic to c
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -128,10 +129,16 @@ def adapter_cost(full: FullTensor, src: Layout | None, dst: Layout | None, *,
         return (2 * once if grad else once), None
     if src == dst:
         return 0.0, Plan(src=src, dst=dst)
+    return _planned_cost(src, dst, _itemsize(full), grad)
+
+
+@functools.lru_cache(maxsize=65536)
+def _planned_cost(src: Layout, dst: Layout, itemsize: int, grad: bool) -> tuple[float, Plan]:
+    # policies ask for the same (layout, layout) pairs many times (the tp lookahead)
     p = plan(src, dst)
-    cost = p.cost_bytes(_itemsize(full))
+    cost = p.cost_bytes(itemsize)
     if grad and p.steps:
-        cost += p.adjoint().cost_bytes(_itemsize(full))
+        cost += p.adjoint().cost_bytes(itemsize)
     return cost, p
 
 
