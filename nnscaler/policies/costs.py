@@ -132,13 +132,24 @@ def adapter_cost(full: FullTensor, src: Layout | None, dst: Layout | None, *,
     return _planned_cost(src, dst, _itemsize(full), grad)
 
 
+#: What one communicating step costs beyond its bytes (start-up latency, a kernel
+#: launch), in bytes: so that one all-reduce beats a reduce-scatter + all-gather pair that
+#: moves the same bytes.
+STEP_LATENCY_BYTES = 1024 * 1024
+
+
+def _plan_bytes(p: Plan, itemsize: int) -> float:
+    talking = sum(1 for step in p.steps if step.cost > 0)
+    return p.cost_bytes(itemsize) + talking * STEP_LATENCY_BYTES
+
+
 @functools.lru_cache(maxsize=65536)
 def _planned_cost(src: Layout, dst: Layout, itemsize: int, grad: bool) -> tuple[float, Plan]:
     # policies ask for the same (layout, layout) pairs many times (the tp lookahead)
     p = plan(src, dst)
-    cost = p.cost_bytes(itemsize)
+    cost = _plan_bytes(p, itemsize)
     if grad and p.steps:
-        cost += p.adjoint().cost_bytes(itemsize)
+        cost += _plan_bytes(p.adjoint(), itemsize)
     return cost, p
 
 
