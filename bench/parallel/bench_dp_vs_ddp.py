@@ -27,13 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dist import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
+from _launch import launch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize

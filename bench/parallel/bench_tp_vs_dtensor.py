@@ -31,15 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
+from _launch import launch  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
-from _dist import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
+from _launch import launch  # noqa: E402
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch

@@ -37,16 +37,20 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _launch import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
+from _launch import launch  # noqa: E402
 from torch import nn
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize

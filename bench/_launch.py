@@ -1,9 +1,9 @@
-"""Launch ``fn(rank, world, *args)`` on ``world`` forked CPU processes joined by gloo.
+"""Run ``fn(rank, world, *args)`` on ``world`` forked CPU processes joined by gloo.
 
-Shared by the ``bench/parallel`` scripts (imported from the script's own folder). Every
-process runs with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, so the ranks do
-not fight over the cores. Results come back in rank order; a failure on any rank raises
-with that rank's traceback.
+Shared by the scripts under ``bench/`` (they put this folder on ``sys.path``). Every
+process runs with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(threads)``, so
+the ranks do not fight over the cores. Results come back in rank order; a failure on any
+rank raises with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ def _free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, q: mp.Queue,
-            args: tuple[Any, ...]) -> None:
+            threads: int, args: tuple[Any, ...]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")  # parallelize's notes on opaque ops etc.: not measured
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result: Any = ("ok", fn(rank, world, *args))
@@ -44,12 +44,13 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, q: mp.Queu
     q.put((rank, result))
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 900.0) -> list[Any]:
+def launch(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1,
+           timeout: float = 1800.0) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each in its process."""
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, q, args))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, q, threads, args))
              for r in range(world)]
     for p in procs:
         p.start()
