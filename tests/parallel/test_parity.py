@@ -12,16 +12,25 @@ from dist_utils import run_distributed
 
 from .common import Case, train_parallel
 
-CASES = [
-    Case("mlp", "dp", 1, 2),
-    Case("mlp", "tp", 2, 2, end2end=True),
-    Case("mlp", "data", 2, 4, use_zero=True, end2end=True),
-    Case("mlp", "tp", 2, 4, use_async_reducer=True, micro=2),
-    Case("gpt", "dp", 1, 2, use_async_reducer=True, end2end=True, micro=2),
-    Case("gpt", "tp", 2, 2, use_zero=True),
-    Case("gpt", "tp", 2, 4, use_zero=True, use_async_reducer=True, end2end=True),
-    Case("gpt", "data", 2, 2, end2end=True),
-]
+
+def _matrix() -> list[Case]:
+    """Every model x policy, each with and without ZeRO and the async reducer, on one
+    scale unit and on two (runtime_ngpus = 2 x plan_ngpus); train_step and plain
+    forward/backward and 1 or 2 micro-batches alternate over the cases."""
+    cases = []
+    for kind in ("mlp", "gpt"):
+        for policy in ("dp", "tp", "data"):
+            plan = 1 if policy == "dp" else 2
+            for i, (zero, asyn, units) in enumerate(
+                (z, a, u) for z in (False, True) for a in (False, True) for u in (1, 2)
+            ):
+                cases.append(Case(kind, policy, plan, plan * units, use_zero=zero,
+                                  use_async_reducer=asyn, end2end=i % 3 == 0,
+                                  micro=2 if i % 4 in (1, 2) else 1))
+    return cases
+
+
+CASES = _matrix()
 
 
 def _worker(rank, world, case, gen_savedir):
