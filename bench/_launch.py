@@ -1,4 +1,6 @@
-"""Run ``fn(rank, world, *args)`` on ``world`` forked CPU processes joined by gloo.
+"""Shared by the benchmarks: run ``fn(rank, world, *args)`` on ``world`` forked CPU
+processes joined by gloo (:func:`launch`), time several modes step by step in the same
+processes (:func:`time_modes`) and compare them with a baseline (:func:`compare_modes`).
 
 Shared by the scripts under ``bench/`` (they put this folder on ``sys.path``). Every
 process runs with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(threads)``, so
@@ -11,6 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import statistics
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -67,3 +71,40 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1,
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, Any]:
+    """Run one step of every mode per iteration (alternating which goes first), behind a
+    barrier; return this rank's timed seconds per mode and each mode's loss at step 0."""
+    modes = list(fns)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    first_loss: dict[str, float] = {}
+    for i in range(warmup + steps):
+        for mode in modes if i % 2 == 0 else modes[::-1]:  # no mode always runs first
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = fns[mode]()
+            elapsed = time.perf_counter() - t0
+            if i == 0:
+                first_loss[mode] = float(loss)
+            if i >= warmup:
+                times[mode].append(elapsed)
+    return {"times": times, "first_loss": first_loss}
+
+
+def compare_modes(results: list[dict[str, Any]], baseline: str, steps: int,
+                  ratio_key: str) -> dict[str, dict[str, float]]:
+    """Per mode: the median step (a step is as slow as its slowest rank), the median over
+    iterations of this step / the baseline's step of the same iteration (they ran back to
+    back, under the same load) as ``ratio_key``, and the ratio of the medians."""
+    modes = list(results[0]["times"])
+    per_step = {m: [max(r["times"][m][i] for r in results) for i in range(steps)]
+                for m in modes}
+    medians = {m: statistics.median(t) for m, t in per_step.items()}
+    return {
+        m: {"median_ms": round(v * 1e3, 2),
+            ratio_key: round(statistics.median(
+                a / b for a, b in zip(per_step[m], per_step[baseline])), 3),
+            "ratio_of_medians": round(v / medians[baseline], 3)}
+        for m, v in medians.items()
+    }

@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
-from _launch import launch  # noqa: E402
+from _launch import compare_modes, launch, time_modes  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -99,21 +96,7 @@ def _make_step(mode: str, rank: int, world: int, gen_savedir: str
 def _run(rank: int, world: int, steps: int, warmup: int, gen_savedir: str
          ) -> dict[str, object]:
     fns = {mode: _make_step(mode, rank, world, gen_savedir) for mode in MODES}
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    first_loss: dict[str, float] = {}
-    for i in range(warmup + steps):
-        order = MODES if i % 2 == 0 else MODES[::-1]  # no mode always runs first
-        for mode in order:
-            fn = fns[mode]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = fn()
-            elapsed = time.perf_counter() - t0
-            if i == 0:
-                first_loss[mode] = float(loss)
-            if i >= warmup:
-                times[mode].append(elapsed)
-    return {"times": times, "first_loss": first_loss}
+    return time_modes(fns, steps, warmup)
 
 
 def main() -> None:
@@ -126,19 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as gen_savedir:
         results = launch(_run, args.world, args.steps, args.warmup, gen_savedir)
-    # a step is as slow as its slowest rank: per step, the max over ranks
-    per_step = {m: [max(r["times"][m][i] for r in results) for i in range(args.steps)]
-                for m in MODES}
-    medians = {m: statistics.median(t) for m, t in per_step.items()}
-    # the headline ratio: the median over iterations of this iteration's step / the
-    # baseline's (they ran back to back, under the same load), next to the ratio of medians
-    summary = {
-        m: {"median_ms": round(v * 1e3, 2),
-            "ratio_vs_ddp": round(statistics.median(
-                a / b for a, b in zip(per_step[m], per_step["ddp"])), 3),
-            "ratio_of_medians": round(v / medians["ddp"], 3)}
-        for m, v in medians.items()
-    }
+    summary = compare_modes(results, "ddp", args.steps, "ratio_vs_ddp")
     losses = results[0]["first_loss"]
     nparams = sum(p.numel() for p in _model().parameters())
     print(f"GPTWithLoss {CONFIG}\n{nparams} params, batch {BATCH}/rank, Adam, world "

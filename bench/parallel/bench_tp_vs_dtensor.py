@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
-from _launch import launch  # noqa: E402
+from _launch import compare_modes, launch, time_modes  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -140,21 +137,7 @@ def _make_step(mode: str, world: int, gen_savedir: str) -> Callable[[], torch.Te
 def _run(rank: int, world: int, steps: int, warmup: int, gen_savedir: str
          ) -> dict[str, object]:
     fns = {mode: _make_step(mode, world, gen_savedir) for mode in MODES}
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    first_loss: dict[str, float] = {}
-    for i in range(warmup + steps):
-        order = MODES if i % 2 == 0 else MODES[::-1]  # no mode always runs first
-        for mode in order:
-            fn = fns[mode]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = fn()
-            elapsed = time.perf_counter() - t0
-            if i == 0:
-                first_loss[mode] = float(loss)
-            if i >= warmup:
-                times[mode].append(elapsed)
-    return {"times": times, "first_loss": first_loss}
+    return time_modes(fns, steps, warmup)
 
 
 def main() -> None:
@@ -169,18 +152,7 @@ def main() -> None:
         results = launch(_run, args.world, args.steps, args.warmup, gen_savedir)
     with torch.no_grad():
         reference = float(_model()(make_batch(CONFIG, BATCH, seed=0)))
-    per_step = {m: [max(r["times"][m][i] for r in results) for i in range(args.steps)]
-                for m in MODES}
-    medians = {m: statistics.median(t) for m, t in per_step.items()}
-    # the headline ratio: the median over iterations of this iteration's step / the
-    # baseline's (they ran back to back, under the same load), next to the ratio of medians
-    summary = {
-        m: {"median_ms": round(v * 1e3, 2),
-            "ratio_vs_dtensor": round(statistics.median(
-                a / b for a, b in zip(per_step[m], per_step["dtensor"])), 3),
-            "ratio_of_medians": round(v / medians["dtensor"], 3)}
-        for m, v in medians.items()
-    }
+    summary = compare_modes(results, "dtensor", args.steps, "ratio_vs_dtensor")
     # every rank's loss at step 0, every mode, against the single-process model's
     losses = {m: [r["first_loss"][m] for r in results] for m in MODES}
     same = all(abs(x - reference) <= LOSS_RTOL * abs(reference)
