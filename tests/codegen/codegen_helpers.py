@@ -21,13 +21,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "graph"))
 
 from dist_utils import run_distributed  # noqa: E402
+from parity_utils import ATOL, RTOL, check_parity  # noqa: E402, F401  (re-exported to tests)
 from plan_helpers import case  # noqa: E402
 
 from nnscaler.codegen import emit_files, load_generated_class  # noqa: E402
 from nnscaler.models import gpt as gpt_module  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 LR = 1e-2
 NOISE, NOISE_ATOL = 1e-6, 1e-3 * LR
 
@@ -101,61 +101,6 @@ def reference(name: str, data: list, steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def _by_name(ref: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
-    for n in (meta.orig_name, *meta.names):
-        if n in ref:
-            return ref[n]
-    raise KeyError(meta.orig_name)
-
-
-def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus: int,
-                 steps: int, zero: bool = False) -> None:
-    # losses: every rank of a unit reports the unit's loss
-    for rank, res in enumerate(results):
-        unit = rank // plan_ngpus
-        got = res["losses"]
-        want = [per_unit[unit] for per_unit in ref["losses"]][: len(got)]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    # raw gradients: summed over holders, the module's gradient
-    totals: dict[str, torch.Tensor] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for res in results:
-        for attr, meta in res["fullmap"].items():
-            if meta.kind != "parameter" or attr not in res["raw"]:
-                continue
-            want = _by_name(ref["grads"], meta)
-            total = totals.setdefault(meta.orig_name, torch.zeros_like(want))
-            total[meta.slicers] += res["raw"][attr]
-            cov = covered.setdefault(meta.orig_name, torch.zeros_like(want, dtype=torch.bool))
-            cov[meta.slicers] = True
-    for name, total in totals.items():
-        want = ref["grads"][name] if name in ref["grads"] else None
-        if want is None:
-            continue
-        torch.testing.assert_close(total, want, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, n=name: f"summed gradient of {n}: {m}")
-    missing = [n for n, g in ref["grads"].items() if n not in covered and g.abs().sum() > 0]
-    assert not missing, f"no rank holds the parameters {missing}"
-    # synced gradients and parameters after Adam steps, piece by piece
-    for rank, res in enumerate(results):
-        for attr, meta in res["fullmap"].items():
-            if meta.kind != "parameter":
-                continue
-            want = _by_name(ref["grads"], meta)[meta.slicers]
-            if not zero:  # with ZeRO the reduced gradient lives in the optimizer's shards
-                torch.testing.assert_close(res["synced"][attr], want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, a=attr, r=rank: f"rank {r} {a} grad: {m}")
-            if steps:
-                want = _by_name(ref["params"], meta)[meta.slicers]
-                # A gradient that is zero in exact arithmetic (the key projection's bias:
-                # softmax ignores a shift of all scores) is float noise, which Adam
-                # normalizes to steps of size ~lr: there only a coarse bound holds.
-                noise = _by_name(ref["grads"], meta).abs().max() < NOISE
-                atol = NOISE_ATOL if noise else ATOL
-                torch.testing.assert_close(res["params"][attr], want, rtol=RTOL, atol=atol,
-                                           msg=lambda m, a=attr, r=rank: f"rank {r} {a}: {m}")
-
-
 def run_parity(tmp: Path, name: str, graph: Any, *, plan_ngpus: int, runtime_ngpus: int,
                mode: str = "train_step", steps: int = 3, compute_config: Any = None) -> list:
     outdir = generate(tmp, name, graph, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus,
@@ -164,7 +109,8 @@ def run_parity(tmp: Path, name: str, graph: Any, *, plan_ngpus: int, runtime_ngp
     results = run_distributed(_worker, runtime_ngpus, str(outdir), data, plan_ngpus, mode,
                               steps)
     zero = bool((compute_config or {}).get("use_zero"))
-    check_parity(results, reference(name, data, steps), plan_ngpus, steps, zero)
+    check_parity(results, reference(name, data, steps), plan_ngpus, steps=bool(steps),
+                 zero=zero, noise=(NOISE, NOISE_ATOL))
     return results
 
 

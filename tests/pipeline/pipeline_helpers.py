@@ -32,6 +32,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dist_utils import run_distributed  # noqa: E402
+from parity_utils import ATOL, RTOL, check_parity  # noqa: E402, F401  (re-exported to tests)
 
 from nnscaler.codegen import emit_files, load_generated_class  # noqa: E402
 from nnscaler.graph import IRGraph  # noqa: E402
@@ -41,7 +42,6 @@ from nnscaler.models import gpt as gpt_module  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
 from nnscaler.trace import trace  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 LR, MOMENTUM = 0.1, 0.9
 BATCH = 4
 
@@ -235,49 +235,6 @@ def reference(name: str, data: list, steps: int) -> dict[str, Any]:
         opt.step()
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
-
-
-def _by_name(ref: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
-    for n in (meta.orig_name, *meta.names):
-        if n in ref:
-            return ref[n]
-    raise KeyError(meta.orig_name)
-
-
-def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus: int,
-                 zero: bool = False) -> None:
-    for rank, res in enumerate(results):
-        unit = rank // plan_ngpus
-        want = [per_step[unit] for per_step in ref["losses"]]
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want),
-                                   rtol=RTOL, atol=ATOL, msg=lambda m, r=rank: f"rank {r} losses: {m}")
-    totals: dict[str, torch.Tensor] = {}
-    for res in results:
-        for attr, meta in res["fullmap"].items():
-            if meta.kind != "parameter" or attr not in res["raw"]:
-                continue
-            want = _by_name(ref["grads"], meta)
-            total = totals.setdefault(meta.orig_name, torch.zeros_like(want))
-            total[meta.slicers] += res["raw"][attr]
-    for name, total in totals.items():
-        want = ref["grads"].get(name)
-        if want is not None:
-            torch.testing.assert_close(total, want, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, n=name: f"summed gradient of {n}: {m}")
-    held = {n for res in results for meta in res["fullmap"].values() for n in meta.names}
-    missing = [n for n, g in ref["grads"].items() if n not in held and g.abs().sum() > 0]
-    assert not missing, f"no rank holds the parameters {missing}"
-    for rank, res in enumerate(results):
-        for attr, meta in res["fullmap"].items():
-            if meta.kind != "parameter":
-                continue
-            want = _by_name(ref["grads"], meta)[meta.slicers]
-            if not zero:  # with ZeRO the reduced gradient lives in the optimizer's shards
-                torch.testing.assert_close(res["synced"][attr], want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, a=attr, r=rank: f"rank {r} {a} grad: {m}")
-            want = _by_name(ref["params"], meta)[meta.slicers]
-            torch.testing.assert_close(res["params"][attr], want, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, a=attr, r=rank: f"rank {r} {a}: {m}")
 
 
 def run_parity(tmp: Path, name: str, graph: IRGraph, cfg: SimpleNamespace, *,

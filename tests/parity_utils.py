@@ -1,0 +1,73 @@
+"""Compare a multi-process run with its single-process reference, piece by piece.
+
+Used by the codegen and pipeline parity tests. ``results`` holds, per rank: ``losses``
+(per step, this unit's), ``fullmap`` (the module's pieces), ``raw`` (gradients before the
+reducers), ``synced`` (after them) and ``params`` (after the optimizer steps). ``ref``
+holds ``losses`` (per step, per unit), ``grads`` and ``params`` by parameter name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def by_name(ref: dict[str, torch.Tensor], meta: Any) -> torch.Tensor:
+    """The reference tensor of a piece, under any of its (tied) names."""
+    for n in (meta.orig_name, *meta.names):
+        if n in ref:
+            return ref[n]
+    raise KeyError(meta.orig_name)
+
+
+def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus: int, *,
+                 steps: bool = True, zero: bool = False,
+                 noise: tuple[float, float] | None = None) -> None:
+    """Losses per unit; gradients summed over holders; synced gradients (not with ZeRO,
+    where they live in the optimizer's shards) and, with ``steps``, parameters.
+
+    ``noise=(grad_bound, atol)``: parameters whose reference gradient is below
+    ``grad_bound`` everywhere are compared with ``atol`` (Adam turns float noise around
+    a gradient that is zero in exact arithmetic into steps of size ~lr).
+    """
+    for rank, res in enumerate(results):  # every rank of a unit reports the unit's loss
+        unit = rank // plan_ngpus
+        got = res["losses"]
+        want = [per_unit[unit] for per_unit in ref["losses"]][: len(got)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL,
+                                   atol=ATOL, msg=lambda m, r=rank: f"rank {r} losses: {m}")
+    totals: dict[str, torch.Tensor] = {}
+    for res in results:
+        for attr, meta in res["fullmap"].items():
+            if meta.kind != "parameter" or attr not in res["raw"]:
+                continue
+            want = by_name(ref["grads"], meta)
+            total = totals.setdefault(meta.orig_name, torch.zeros_like(want))
+            total[meta.slicers] += res["raw"][attr]
+    for name, total in totals.items():
+        want = ref["grads"].get(name)
+        if want is not None:
+            torch.testing.assert_close(total, want, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=name: f"summed gradient of {n}: {m}")
+    held = {n for res in results for meta in res["fullmap"].values()
+            for n in (meta.orig_name, *meta.names)}
+    missing = [n for n, g in ref["grads"].items() if n not in held and g.abs().sum() > 0]
+    assert not missing, f"no rank holds the parameters {missing}"
+    for rank, res in enumerate(results):
+        for attr, meta in res["fullmap"].items():
+            if meta.kind != "parameter":
+                continue
+            grad = by_name(ref["grads"], meta)
+            if not zero:
+                torch.testing.assert_close(res["synced"][attr], grad[meta.slicers], rtol=RTOL,
+                                           atol=ATOL,
+                                           msg=lambda m, a=attr, r=rank: f"rank {r} {a} grad: {m}")
+            if steps:
+                atol = noise[1] if noise and grad.abs().max() < noise[0] else ATOL
+                torch.testing.assert_close(res["params"][attr],
+                                           by_name(ref["params"], meta)[meta.slicers],
+                                           rtol=RTOL, atol=atol,
+                                           msg=lambda m, a=attr, r=rank: f"rank {r} {a}: {m}")
