@@ -114,11 +114,19 @@ class TransformRule:
     the transform then has the rule's layouts, even for a dim the annotation marks ``^``.
     ``modifier(kwargs, idx, dim, num, part)`` returns the keyword arguments of part
     ``part`` (as nnScaler's ``TransformRule``); without one the keywords stay unchanged.
+
+    ``part_op`` names a registered op that each part calls instead of the op itself, with
+    the same arguments and the modifier's keywords: a split that needs other code than
+    the whole op (a lookup into a slice of a table masks the rows it does not hold). When
+    that op is registered ``collective=True`` its parts also talk to each other: each
+    receives ``group``, a :class:`~nnscaler.ops.PartGroup` of the parts of the split
+    (e.g. a cross-entropy over classes split in parts all-reduces its normalizer).
     """
 
     inputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
     outputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
     modifier: Modifier | None = None
+    part_op: str | None = None
 
 
 def _str_layouts(layouts: Sequence[Layout | None]) -> str:
@@ -142,6 +150,7 @@ class Transform:
     outputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
     kwarg_updates: FrozenKwargs = attrs.field(factory=FrozenKwargs, converter=FrozenKwargs)
     modifier: Modifier | None = None
+    part_op: str | None = None
 
     def part_kwargs(self, kwargs: Mapping[str, Any], part: int) -> dict[str, Any]:
         """The keyword arguments of part ``part``: the updates, then the rule's modifier."""
@@ -154,7 +163,8 @@ class Transform:
         text = (f"split input {self.idx} dim {self.dim} ({self.ident!r}) in {self.num}: "
                 f"{_str_layouts(self.inputs)} -> {_str_layouts(self.outputs)}")
         updates = ", ".join(f"{k}={v}" for k, v in self.kwarg_updates.items())
-        return f"{text} [{updates}]" if updates else text
+        text = f"{text} [{updates}]" if updates else text
+        return text if self.part_op is None else f"{text} via {self.part_op}"
 
 
 # -- the space ------------------------------------------------------------------------------
@@ -222,7 +232,8 @@ def _make(
     bound: BoundAnno, idx: int, dim: int, num: int, name: str, rule: TransformRule | None
 ) -> Transform:
     if rule is not None:
-        return Transform(idx, dim, num, name, rule.inputs, rule.outputs, modifier=rule.modifier)
+        return Transform(idx, dim, num, name, rule.inputs, rule.outputs, modifier=rule.modifier,
+                         part_op=rule.part_op)
     reduce = _dims(bound.expanded.inputs[idx])[dim][0].reduce
 
     def layout(tensor: TensorAnno, taken: bool, missing: Layout) -> Layout | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from nnscaler.anno.errors import PromiseBrokenError
 from nnscaler.anno.parser import OpAnno, parse
 from nnscaler.anno.transform import Replicate, Transform, TransformRule
+from nnscaler.ops.partgroup import run_parts
 
 __all__ = ["check_promise"]
 
@@ -48,6 +50,7 @@ def check_promise(
     atol: float = 1e-6,
     nums: Sequence[int] | None = None,
     part_kwargs: Callable[[Transform, Mapping[str, Any], int], dict[str, Any]] | None = None,
+    part_op: Callable[[str], tuple[Callable[..., Any], bool]] | None = None,
 ) -> list[Transform]:
     """Check that ``annotation`` keeps its promise for ``fn(*inputs, **kwargs)``.
 
@@ -56,8 +59,10 @@ def check_promise(
     space (in ``nums`` parts only, when given), on each part's inputs and keyword
     arguments; each tensor output is recombined with its layout and compared with the whole
     result (``torch.testing.assert_close``; integers and booleans exactly). ``part_kwargs``
-    replaces :meth:`Transform.part_kwargs` for ops that rewrite more arguments. ``fn``
-    must be deterministic. Returns the checked transforms; raises
+    replaces :meth:`Transform.part_kwargs` for ops that rewrite more arguments.
+    ``part_op(name) -> (callable, collective)`` resolves the part op a transform rule
+    names; a collective one gets ``group`` and its parts run together
+    (:func:`nnscaler.ops.partgroup.run_parts`). ``fn`` must be deterministic. Returns the checked transforms; raises
     :class:`PromiseBrokenError` on the first disagreement.
     """
     anno = parse(annotation) if isinstance(annotation, str) else annotation
@@ -80,17 +85,30 @@ def check_promise(
     else:
         space = [t for n in nums for t in bound.transform_space(n, rules=rules)]
     for t in space:
-        parts = []
+        part_fn, collective = fn, False
+        if t.part_op is not None:
+            if part_op is None:
+                raise ValueError(f"{name}, {t}: the parts call the op {t.part_op!r}; pass "
+                                 f"part_op= to resolve it (verify_op does)")
+            part_fn, collective = part_op(t.part_op)
+        calls = []
         for part in range(t.num):
             args = [x if layout is None or not isinstance(x, torch.Tensor)
                     else layout.chunk(x, t.num, part) for x, layout in zip(inputs, t.inputs, strict=True)]
             kw = part_kwargs(t, kwargs, part) if part_kwargs else t.part_kwargs(kwargs, part)
-            try:
-                result = fn(*args, **kw)
-            except Exception as e:
-                raise PromiseBrokenError(f"{name}, {t}: the op failed on part {part}: "
-                                         f"{type(e).__name__}: {e}") from e
-            parts.append(_outputs(result, anno, f"part {part} of {t}"))
+            calls.append(functools.partial(_call, part_fn, args, kw, collective))
+        results: list[Any] = []
+        try:
+            if collective:
+                results = run_parts(calls)
+            else:
+                for call in calls:
+                    results.append(call(None))
+        except Exception as e:
+            which = "one of the parts" if collective else f"part {len(results)}"
+            raise PromiseBrokenError(f"{name}, {t}: the op failed on {which}: "
+                                     f"{type(e).__name__}: {e}") from e
+        parts = [_outputs(r, anno, f"part {p} of {t}") for p, r in enumerate(results)]
         for k, layout in enumerate(t.outputs):
             if layout is None or bound.output_shapes[k] is None:
                 continue
@@ -101,6 +119,11 @@ def check_promise(
             _compare(layout.combine([p[k] for p in parts]), whole[k], rtol, atol,
                      f"{name} breaks its promise under {t}: output {k}", hint)
     return space
+
+
+def _call(fn: Callable[..., Any], args: list[Any], kw: dict[str, Any], collective: bool,
+          group: Any) -> Any:
+    return fn(*args, **kw, group=group) if collective else fn(*args, **kw)
 
 
 def _compare(

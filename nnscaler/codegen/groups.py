@@ -39,6 +39,11 @@ def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, .
             shifted_plan = make_plan(shifted(spec.src, offset), shifted(spec.dst, offset))
             for ranks in plan_groups(shifted_plan, grad="exact"):
                 add(ranks)
+    for unit in range(p.nunits):  # the parts of collective part ops
+        offset = unit * p.plan_ngpus
+        for step in p.steps:
+            if step.part_devices is not None:
+                add([offset + d for d in step.part_devices])
     if p.pipeline is not None or any(
             f.requires_grad for f in p.leaves if f.kind is TensorKind.INPUT):
         # inputs' gradients are summed over the unit; a pipeline's outputs are shared in it

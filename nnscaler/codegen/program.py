@@ -103,6 +103,8 @@ class OpStep:
     adapters: list[AdapterSpec]
     reads: list[Read]
     no_grad: bool
+    #: a collective part op: the devices of its parts, in part order (its ``group``)
+    part_devices: tuple[int, ...] | None = None
 
 
 @attrs.define(eq=False)
@@ -554,10 +556,26 @@ class _Builder:
             for t in op.output_tensors():
                 if not t.full.is_leaf:
                     self.variable(t.full)
-        step = OpStep(origin, by_device, adapters, reads, no_grad)
+        step = OpStep(origin, by_device, adapters, reads, no_grad,
+                      self._part_devices(origin, insts))
         if self.pipe is not None:
             self.pipe.stages[self.stage].steps.append(step)
         return step
+
+    def _part_devices(self, origin: Op, insts: list[Op]) -> tuple[int, ...] | None:
+        """The devices of the parts of a collective part op, in part order; None for
+        any other op."""
+        if not any(op.opdef is not None and op.opdef.collective for op in insts):
+            return None
+        parts = self.g.split_parts(insts[0])
+        if set(parts) != set(insts) or len(parts) != len(insts):
+            raise CodegenError(
+                f"{self.g.describe(origin)} is split into {len(parts)} parts that talk to each "
+                f"other ({insts[0].opdef.name}), but {len(insts)} instances of it run here: "
+                f"each part must run exactly once, on its own device. Fix: partition the op "
+                f"once, into as many parts as devices, and do not replicate the parts"
+            )
+        return tuple(op.device for op in parts)  # type: ignore[misc]
 
     def _check_mutations(self, origin: Op, insts: list[Op], reads: list[Read]) -> None:
         g = self.g

@@ -147,6 +147,21 @@ class IRGraph(Graph):
             found += self.instances(inst)
         return found
 
+    def split_parts(self, op: Op) -> list[Op]:
+        """The parts of the split that made the instance ``op`` (``op`` among them), in
+        part order; ``[op]`` when ``op`` is not a part of a split. The parts of a
+        collective part op (:attr:`OpDef.collective <nnscaler.ops.registry.OpDef>`) are
+        the group it talks to."""
+        at = op
+        while at in self._parent and at not in self._split:  # e.g. rewired by multiref
+            at = self._parent[at][0]
+        if at not in self._split:
+            return [op]
+        parts: list[Op] = []
+        for sibling in self._replaced[self._parent[at][0]]:
+            parts += self.instances(sibling)
+        return parts
+
     def value_key(self, op: Op, out: int) -> tuple[tuple[tuple[str, int], int], ...]:
         """Which splits made output ``out`` of the instance ``op`` value-partial:
         ``((identifier, num), part)`` for each, outermost first (``()``: whole values).
@@ -225,6 +240,12 @@ class IRGraph(Graph):
         if not _is_int(times) or times < 1:
             raise PlanError(f"replicate {self.describe(op)}: times is the number of copies, a "
                             f"positive int; got {times!r}")
+        if op.opdef is not None and op.opdef.collective and times > 1:
+            raise PlanError(
+                f"replicate {self.describe(op)}: it is a part of a split whose parts talk to "
+                f"each other ({op.opdef.name} takes the group of its parts), and each part "
+                f"runs exactly once. Split the op it came from in more parts instead"
+            )
         copies = [self._new_op(op) for _ in range(times)]
         self._replace(op, copies, [f"replica {i} of {times} of op #{op.oid}"
                                    for i in range(times)])
@@ -266,6 +287,12 @@ class IRGraph(Graph):
                 f"nnscaler cannot tell how to split it. Replicate it "
                 f"(graph.replicate(op, times=...)), or register an annotation for "
                 f"{op.name} with nnscaler.register_op"
+            )
+        if op.opdef.collective:
+            raise PartitionError(
+                f"cannot partition {self.describe(op)}: it is a part of a split whose parts "
+                f"talk to each other ({op.opdef.name} takes the group of its parts), so it "
+                f"cannot be split again. Split the op it came from in more parts instead"
             )
         anno, given = op.anno, dim
         if 0 <= idx < len(anno.expanded.inputs) and dim < 0:  # from the end, as in torch
@@ -326,14 +353,22 @@ class IRGraph(Graph):
         if opdef is None or anno is None:
             raise fail("the op has no annotation")
         kwargs = opdef.part_kwargs(t, op.kwargs, part)
+        if t.part_op is not None:  # the parts call another op (a transform rule's part_op)
+            from nnscaler.plugins import get_plugin_manager
+
+            try:
+                opdef = get_plugin_manager().ops.get(t.part_op)
+            except LookupError as e:
+                raise fail(f"its transform rule names the part op {t.part_op!r}, which is "
+                           f"not registered: {e}") from None
         shapes = [x.shape if isinstance(x, SubTensor) else None for x in inputs]
         try:
             bound = anno.anno.bind(shapes, kwargs)
         except AnnotationError as e:
             raise fail(f"part {part} has input shapes {_shapes(tensors_in(inputs))}, which its "
                        f"annotation rejects: {e}") from None
-        return self._new_op(op, anno=bound, inputs=inputs, kwargs=kwargs, outputs=outputs,
-                            mutations=tuple(mutations))
+        return self._new_op(op, opdef=opdef, anno=bound, inputs=inputs, kwargs=kwargs,
+                            outputs=outputs, mutations=tuple(mutations))
 
     # -- placing ops --------------------------------------------------------------------
     def assign(self, op: Op, device: int) -> Op:

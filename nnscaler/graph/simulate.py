@@ -9,12 +9,17 @@ whole value when ``p == 0`` and zeros otherwise, so the parts sum to the value. 
 (parameters, buffers, constants, inputs) are the module's and the arguments' own tensors,
 so autograd runs through the pieces back to the module's parameters.
 
+The parts of a split that talk to each other (a collective part op, e.g. a cross-entropy
+over classes split in parts) run together, as threads joined by a
+:class:`~nnscaler.ops.partgroup.PartGroup`.
+
 Devices are not simulated: every instance runs here, whatever its device. Moving pieces
 between devices is the layout layer's job, with its own simulator.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +39,7 @@ from nnscaler.ir import (
     default_device,
     leaf_values,
 )
+from nnscaler.ops.partgroup import PartGroup, run_parts
 
 
 def _slices(ranges: Ranges, within: Ranges) -> tuple[slice, ...]:
@@ -47,6 +53,13 @@ def _cut(value: torch.Tensor, ranges: Ranges, within: Ranges) -> torch.Tensor:
 
 def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return a == b or (a == (1,) and b == ()) or (a == () and b == (1,))
+
+
+_NOT_RUN = object()
+
+
+def _call_part(op: Op, inputs: list[Any], kwargs: dict[str, Any], group: PartGroup) -> Any:
+    return op.call(inputs, {**kwargs, "group": group})
 
 
 def run_plan(
@@ -112,7 +125,7 @@ def run_plan(
         part, _ = piece.valmap
         return value if part == 0 else torch.zeros_like(value)
 
-    def run(op: Op) -> None:
+    def run(op: Op, computed: Any = _NOT_RUN) -> None:
         origin = g.origin(op)
         mutated = {before: after for before, after in op.mutations}
         # An in-place op whose instances all hold whole pieces runs once, on the very
@@ -146,7 +159,7 @@ def run_plan(
 
         inputs = pytree.tree_map(value_of, list(op.inputs))
         kwargs = pytree.tree_map(value_of, dict(op.kwargs))
-        result = op.call(inputs, kwargs)
+        result = op.call(inputs, kwargs) if computed is _NOT_RUN else computed
         results = pytree.tree_leaves(result)
         if len(results) != len(op.outputs):
             raise RunPlanError(f"{g.describe(op)} returned {len(results)} values where the graph "
@@ -181,11 +194,39 @@ def run_plan(
         for piece, key in written_by(g, op):
             written.setdefault(piece.full, []).append((piece, key, produced[piece]))
 
+    def run_together(op: Op) -> None:
+        """The parts of a split that talk to each other (a collective part op) run at
+        once, as threads joined by a PartGroup (nnscaler.ops.partgroup.run_parts)."""
+        parts = g.split_parts(op)
+        calls = []
+        for part in parts:
+            if part.mutations:
+                raise RunPlanError(f"{g.describe(part)} is a collective part op that writes "
+                                   f"in place, which the simulator does not follow")
+
+            def value_of(leaf: Any, part: Op = part) -> Any:
+                if isinstance(leaf, SubTensor):
+                    return read(leaf, part)
+                return device if leaf is CURRENT_DEVICE else leaf
+
+            inputs = pytree.tree_map(value_of, list(part.inputs))
+            kwargs = pytree.tree_map(value_of, dict(part.kwargs))
+            calls.append(functools.partial(_call_part, part, inputs, kwargs))
+        for part, result in zip(parts, run_parts(calls), strict=True):
+            ran_together.add(part)
+            run(part, result)
+
     grad_on = torch.is_grad_enabled()
+    ran_together: set[Op] = set()
     try:
         for op in g.ops:
             torch.set_grad_enabled(grad_on and not op.no_grad)
-            run(op)
+            if op in ran_together:
+                continue
+            if op.opdef is not None and op.opdef.collective:
+                run_together(op)
+            else:
+                run(op)
     finally:
         torch.set_grad_enabled(grad_on)
 

@@ -81,6 +81,10 @@ class OpDef:
     annotated ones. ``update_kwargs(kwargs, transform, part) -> kwargs`` lets an op whose
     arguments encode sizes (``view``, ``expand``, ``split``, ...) rewrite them for part
     ``part`` of a partition; it runs after the transform's own keyword updates.
+    ``collective=True`` marks an op whose calls are the parts of one split that talk to
+    each other (a :class:`~nnscaler.anno.TransformRule` names it as its ``part_op``): it
+    takes the keyword ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup` of the
+    parts, which generated code, the plan simulator and ``verify_op`` supply.
     """
 
     name: str
@@ -92,6 +96,7 @@ class OpDef:
     transform_rules: tuple[TransformRule, ...] | Callable[[Any], Sequence[TransformRule]] = ()
     input_gen_fn: Callable[..., Any] | None = None
     update_kwargs: Callable[..., dict[str, Any]] | None = None
+    collective: bool = False
     registrant: str = ""
     source: str = ""  # where it was registered, for messages
 
@@ -260,6 +265,7 @@ class OpRegistry(Registry[OpDef]):
         signature: inspect.Signature | Callable | None = None,
         update_kwargs: Callable[..., dict[str, Any]] | None = None,
         aliases: Sequence[Callable[..., Any]] = (),
+        collective: bool = False,
         registrant: str | None = None,
     ) -> OpDef:
         """Register ``fn`` (and the other callables in ``aliases``) as one op."""
@@ -296,6 +302,7 @@ class OpRegistry(Registry[OpDef]):
             else tuple(transform_rules or ()),
             input_gen_fn=input_gen_fn,
             update_kwargs=update_kwargs,
+            collective=bool(collective),
             registrant=registrant or self._current_registrant,
         )
         for f in (fn, *aliases):

@@ -7,7 +7,7 @@ it on their own ``register_op`` ops; the test suite calls it on every built-in o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,17 @@ def verify_op(
             keywords=call.keywords,
         )
 
+    def part_op(name: str) -> tuple[Callable[..., Any], bool]:
+        from nnscaler.plugins import get_plugin_manager
+
+        part = get_plugin_manager().ops.get(name)
+
+        def run_part(*inputs: Any, **kw: Any) -> Any:
+            return part.call([_clone(x) for x in inputs],
+                             {k: _clone(v) for k, v in kw.items()}, keywords=call.keywords)
+
+        return run_part, part.collective
+
     return check_promise(
         run,
         call.anno,
@@ -52,4 +63,5 @@ def verify_op(
         rtol=rtol,
         atol=atol,
         part_kwargs=opdef.part_kwargs,
+        part_op=part_op,
     )

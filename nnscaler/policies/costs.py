@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from nnscaler.anno import DimAnno, Reduce, Split, Transform, ValuePartial
 from nnscaler.anno import Layout as AnnoLayout
-from nnscaler.anno import Split, Transform, ValuePartial
 from nnscaler.graph import IRGraph
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Layout, Plan, plan
@@ -37,7 +37,9 @@ __all__ = [
     "Adapter",
     "adapter_cost",
     "adapters",
+    "default_bytes_per_mac",
     "layout_of",
+    "op_work",
     "part_piece",
     "redundant_bytes",
     "replicated",
@@ -151,6 +153,54 @@ def _planned_cost(src: Layout, dst: Layout, itemsize: int, grad: bool) -> tuple[
     if grad and p.steps:
         cost += _plan_bytes(p.adjoint(), itemsize)
     return cost, p
+
+
+#: What one multiply-accumulate costs, in bytes moved by a collective, on each kind of
+#: device: a core of this project's CPU machines does ~45 G MAC/s while gloo moves ~2 GB/s
+#: (cost bytes, latency included); a GPU does ~300 T MAC/s while NCCL over NVLink moves
+#: ~300 GB/s. ``pas_config['tp_bytes_per_mac']`` overrides it.
+BYTES_PER_MAC = {"cpu": 0.04, "cuda": 0.001}
+
+
+def default_bytes_per_mac() -> float:
+    """:data:`BYTES_PER_MAC` of the device type the run will use
+    (:func:`nnscaler.runtime.device.device_type`)."""
+    from nnscaler.runtime.device import device_type
+
+    return BYTES_PER_MAC[device_type()]
+
+
+def op_work(op: Op) -> float:
+    """The multiply-accumulates of one forward call of ``op``, from its bound annotation:
+    the product of the output dims and the contracted (``+``) dims for a contraction
+    (linear, matmul, einsum, conv), else the numel of its biggest tensor (elementwise
+    ops, norms, softmax, lookups, losses). 0 without an annotation."""
+    anno = op.anno
+    if anno is None:
+        return 0.0
+    return _work(anno.expanded, tuple(sorted(anno.sizes.items())), anno.input_shapes,
+                 anno.output_shapes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _work(expanded, sizes, input_shapes, output_shapes) -> float:  # noqa: ANN001
+    size = dict(sizes)
+    contracted: set[str] = set()
+    out_ids: set[str] = set()
+    for tensors, ids in ((expanded.inputs, None), (expanded.outputs, out_ids)):
+        for t in tensors:
+            for dim in t.dims or ():
+                if isinstance(dim, DimAnno):
+                    for ident in dim.idents:
+                        if ids is not None:
+                            ids.add(ident.name)
+                        elif ident.reduce is Reduce.SUM:
+                            contracted.add(ident.name)
+    contracted -= out_ids
+    if contracted:
+        return float(math.prod(size.get(i, 1) for i in out_ids | contracted))
+    shapes = [s for s in (*input_shapes, *output_shapes) if s is not None]
+    return float(max((math.prod(s) for s in shapes), default=0))
 
 
 def redundant_bytes(full: FullTensor, layout: Layout) -> float:

@@ -54,7 +54,9 @@ from nnscaler.policies.common import (
 )
 from nnscaler.policies.costs import (
     adapter_cost,
+    default_bytes_per_mac,
     layout_of,
+    op_work,
     part_piece,
     redundant_bytes,
     replicated,
@@ -88,10 +90,13 @@ def _is_weight(full: FullTensor) -> bool:
 
 
 class _Greedy:
-    def __init__(self, graph: IRGraph, n: int, lookahead: int) -> None:
+    def __init__(self, graph: IRGraph, n: int, lookahead: int,
+                 bytes_per_mac: float | None = None) -> None:
         self.graph = graph
         self.n = n
         self.lookahead = lookahead
+        self.bytes_per_mac = default_bytes_per_mac() if bytes_per_mac is None else bytes_per_mac
+        self._compute: dict[Op, float] = {}
         self.held: dict[FullTensor, Layout | None] = {}  # activations; weights: canonical
         self.outputs = {p.full for p in graph.output_tensors()}
         self._options: dict[Op, list[TPOption]] = {}
@@ -135,19 +140,34 @@ class _Greedy:
         return TPOption(t, tuple(reads), tuple(writes))
 
     # -- costs --------------------------------------------------------------------------
+    def compute(self, op: Op, option: TPOption) -> float:
+        """What ``option`` costs a device in computation, in bytes: the op's forward work
+        (:func:`~nnscaler.policies.costs.op_work`), three times that when gradients flow
+        back through it, divided by the parts of a split."""
+        if op not in self._compute:
+            grads = not op.no_grad and any(full.requires_grad for full, _, _ in option.reads)
+            self._compute[op] = op_work(op) * (3 if grads else 1) * self.bytes_per_mac
+        return self._compute[op] / (1 if option.transform is None else self.n)
+
     def _source(self, full: FullTensor) -> Layout | None:
         if full.kind is TensorKind.INPUT and full.is_leaf:
             return replicated(full, self.n)
         return self.held.get(full, replicated(full, self.n))
 
-    def _weights(self, option: TPOption) -> tuple[float, float]:
-        """(params, moves) of the weights ``option`` reads."""
-        params = moves = 0.0
+    def _weights(self, op: Op, option: TPOption, depth: int,
+                 given: tuple[FullTensor, Layout | None] | None
+                 ) -> tuple[float, float, float]:
+        """(params, moves now, moves later) of the weights ``option`` reads. A weight
+        that ``option`` is the first to read gets its canonical layout from it, so its
+        other readers (a tied LM head) are costed reading it from there, ``depth`` deep."""
+        params = moves = later = 0.0
         first: dict[FullTensor, Layout | None] = {}
         for full, need, grad in option.reads:
             if not _is_weight(full):
                 continue
-            if full in self.held:
+            if given is not None and full is given[0]:
+                canon = given[1]
+            elif full in self.held:
                 canon = self.held[full]
             elif full in first:
                 canon = first[full]
@@ -159,8 +179,10 @@ class _Greedy:
                     params += extra
                 else:  # a bias or a norm's scale: bytes like any other
                     moves += extra
+                if depth > 0:
+                    later += self._lookahead(op, full, canon, depth - 1)
             moves += adapter_cost(full, canon, need, grad=grad)[0]
-        return params, moves
+        return params, moves, later
 
     def score(self, op: Op, option: TPOption, depth: int,
               given: tuple[FullTensor, Layout | None] | None = None
@@ -172,7 +194,8 @@ class _Greedy:
         inputs cost what it takes to bring them from where they are held, or nothing if
         their producers are not placed yet.
         """
-        params, now = self._weights(option)
+        params, now, later = self._weights(op, option, depth, given)
+        now += self.compute(op, option)
         for full, need, grad in option.reads:
             if _is_weight(full):
                 continue
@@ -180,7 +203,6 @@ class _Greedy:
                 now += adapter_cost(full, given[1], need, grad=grad)[0]
             elif given is None or full in self.held or full.is_leaf:
                 now += adapter_cost(full, self._source(full), need, grad=grad)[0]
-        later = 0.0
         for full, layout in option.writes:
             if full in self.outputs:
                 now += adapter_cost(full, layout, replicated(full, self.n),

@@ -44,3 +44,4 @@ from nnscaler.runtime.zero import ZeroGroups, zero_groups
 from nnscaler.runtime import boundary
 from nnscaler.runtime.boundary import Adapter
 from nnscaler.runtime.module import AttrMeta, ParallelModule, ParallelModuleError
+from nnscaler.runtime.partgroup import ProcessPartGroup

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from nnscaler.errors import NNScalerError
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
+from nnscaler.runtime.partgroup import ProcessPartGroup
 from nnscaler.runtime.reducer import Reducer
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self.fullmap: dict[str, AttrMeta] = {}
         self._reducers: list[Reducer] = []
+        self._part_groups: dict[tuple[int, ...], ProcessPartGroup] = {}
         self._device = current_device()
 
     # -- registration (called by the generated __init__) --------------------------------
@@ -139,6 +141,15 @@ class ParallelModule(torch.nn.Module):
         for t in self.buffers():
             return t.device
         return self._device
+
+    def part_group(self, devices: Sequence[int]) -> ProcessPartGroup:
+        """The parts of a split run by the plan devices ``devices`` (in part order) of this
+        rank's scale unit: the ``group`` generated code passes to a collective part op."""
+        key = tuple(devices)
+        if key not in self._part_groups:
+            offset = (self.rank // self.plan_ngpus) * self.plan_ngpus
+            self._part_groups[key] = ProcessPartGroup([offset + d for d in key], rank=self.rank)
+        return self._part_groups[key]
 
     def _piece(self, shape: Sequence[int], index: Sequence[tuple[int, int]],
                dtype: torch.dtype) -> torch.Tensor:

@@ -54,10 +54,22 @@ def test_partition_a_frozen_dim_lists_the_legal_splits():
     assert linear in graph.nodes()  # nothing changed
 
 
+class _WeightedLoss(torch.nn.Module):
+    """A class-weighted mean cross-entropy: every dim is '^' and no rule applies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.ones(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(x, y, weight=self.w)
+
+
 def test_partition_where_nothing_is_legal_says_replicate():
-    graph = fresh("mlp")
-    with pytest.raises(PartitionError, match=r"(?s)cross_entropy.*mlp.py:45.*no split is legal: "
-                                             r"replicate the op.*Replicate the op"):
+    args = {"x": torch.randn(4, 4), "y": torch.zeros(4, dtype=torch.long)}
+    graph = IRGraph.from_graph(trace(_WeightedLoss(), args))
+    with pytest.raises(PartitionError, match=r"(?s)cross_entropy.*test_policy_errors.py:\d+.*no "
+                                             r"split is legal: replicate the op.*Replicate the op"):
         graph.partition(graph.nodes()[-1], idx=0, dim=0, num=2)
 
 

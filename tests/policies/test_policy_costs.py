@@ -70,16 +70,17 @@ def test_layout_of_irregular_pieces():
 
 
 def test_adapters_of_megatron_mlp():
-    """tp on the MLP: one all-gather between the two column linears, the row linear's
-    value-partial output all-reduced for the loss; the bias value-split (local)."""
+    """tp on the 3-linear MLP: column, row (its bias value-split, local; its value-partial
+    output all-reduced once), then the last linear split by classes into the
+    class-parallel cross-entropy, which reads the split logits where they are."""
     graph = tp(fresh("mlp"), config(2))
     found = adapters(graph, 2)
     names = [(a.op.name.rsplit(".", 1)[-1], a.primitives) for a in found]
-    assert ("linear", ("all_gather",)) in names
-    assert ("cross_entropy", ("all_reduce",)) in names
-    assert ("linear", ("value_split",)) in names
+    assert names == [("linear", ("value_split",)), ("gelu", ("all_reduce",))]
     assert all(a.cost >= 0 for a in found) and total_cost(found) == sum(a.cost for a in found)
-    assert any(" via all_gather " in str(a) for a in found)
+    assert any(" via all_reduce " in str(a) for a in found)
+    ce = [op for op in graph.ops if op.name.endswith("cross_entropy")]
+    assert [op.opdef.name.rsplit(".", 1)[-1] for op in ce] == ["class_parallel_cross_entropy"] * 2
 
 
 def test_dp_needs_no_adapter_and_data_gathers_for_the_loss():

@@ -9,7 +9,9 @@ The marks follow the reduction:
 - ``'batchmean'`` (kl_div): the sum divided by the size of dim 0: dim 0 is ``^`` and the
   other dims are ``+``.
 
-A dim that a per-sample loss mixes (the class dim of cross_entropy) is ``^`` throughout.
+A dim that a per-sample loss mixes (the class dim of cross_entropy) is ``^`` throughout;
+cross_entropy's transform rule splits its class dim all the same, into parts that run
+:func:`class_parallel_cross_entropy` and all-reduce what they need of the other classes.
 The output of a reduced loss is the 0-d tensor ``1``.
 """
 
@@ -23,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
+from nnscaler.anno import Replicate, Split, TransformRule
 from nnscaler.ops.builtin._common import idents, randint, tensor_str
 from nnscaler.ops.builtin.nn import bcast, f64, marked, shape_of, size
+from nnscaler.ops.partgroup import SINGLE
 from nnscaler.ops.registry import OpRegistry
 
 
@@ -111,7 +115,7 @@ def _reduction_kwargs(rng: random.Random, choices: Sequence[str] = ("none", "sum
     return {"reduction": rng.choice(choices)}
 
 
-def _gen_class_loss(probabilities: bool):
+def _gen_class_loss(probabilities: bool, weights: bool = True):
     def gen(rng: random.Random) -> tuple[tuple, dict]:
         c = rng.choice((2, 3, 5))
         lead = [size(rng)] if rng.random() < 0.85 else []
@@ -125,7 +129,7 @@ def _gen_class_loss(probabilities: bool):
             if rng.random() < 0.3 and target.numel():
                 target = target.masked_fill(randint(rng, 0, 4, *target.shape) == 0, -100)
         kw: dict[str, Any] = _reduction_kwargs(rng)
-        if rng.random() < 0.3:
+        if weights and rng.random() < 0.3:
             kw["weight"] = f64(rng, c).abs() + 0.1
         if probabilities and rng.random() < 0.3:
             kw["label_smoothing"] = 0.1
@@ -134,6 +138,80 @@ def _gen_class_loss(probabilities: bool):
         return (x, target), kw
 
     return gen
+
+
+# -- cross_entropy over classes split in parts ---------------------------------------------
+
+#: The part op of a cross_entropy whose class dim is split (Megatron's vocabulary-parallel
+#: cross-entropy): the parts all-reduce the maximum, the normalizer and the target's logit.
+CLASS_PARALLEL_CE = "nnscaler.ops.builtin.loss.class_parallel_cross_entropy"
+
+
+def class_parallel_cross_entropy(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+    reduction="mean", label_smoothing=0.0, *, class_start=0, num_classes=None,
+    group=SINGLE,
+):
+    """``F.cross_entropy`` on this part's classes ``[class_start, class_start + C_part)``
+    of ``num_classes``, the parts joined by ``group`` (a :class:`PartGroup`): every part
+    returns the loss over all classes. Targets are class indices (read whole) or class
+    probabilities (split like ``input``); no class weights."""
+    if weight is not None:
+        raise ValueError("class_parallel_cross_entropy: class weights are not supported; "
+                         "the transform rule only splits the classes of an unweighted loss")
+    red = _reduction_of(size_average, reduce, reduction)
+    c = 0 if input.dim() == 1 else 1
+    if num_classes is None:
+        num_classes = input.size(c) * group.size
+    eps = float(label_smoothing)
+    peak = group.all_reduce(input.detach().amax(c), "max")
+    z = input - peak.unsqueeze(c)
+    lse = group.all_reduce(z.exp().sum(c), "sum").log()  # log-sum-exp, less the peak
+    if target.is_floating_point():  # class probabilities
+        t = target * (1 - eps) + eps / num_classes if eps else target
+        loss = lse * group.all_reduce(t.sum(c), "sum") - group.all_reduce((t * z).sum(c), "sum")
+        if red == "none":
+            return loss
+        return loss.sum() if red == "sum" else loss.sum() / loss.numel()
+    local = target - class_start
+    held = (local >= 0) & (local < input.size(c))
+    picked = z.gather(c, torch.where(held, local, 0).unsqueeze(c)).squeeze(c)
+    loss = lse - group.all_reduce(torch.where(held, picked, 0.0), "sum")
+    if eps:
+        loss = (1 - eps) * loss + eps * (lse - group.all_reduce(z.sum(c), "sum") / num_classes)
+    valid = target != ignore_index
+    loss = torch.where(valid, loss, 0.0)
+    if red == "none":
+        return loss
+    return loss.sum() if red == "sum" else loss.sum() / valid.sum()
+
+
+def _class_parallel_ce_anno(input, target, weight=None, size_average=None, ignore_index=-100,
+                            reduce=None, reduction="mean", label_smoothing=0.0,
+                            **_: Any) -> str:
+    return cross_entropy_anno(input, target, weight, size_average, ignore_index, reduce,
+                              reduction, label_smoothing)
+
+
+def cross_entropy_rules(bound: Any) -> list[TransformRule]:
+    """cross_entropy without class weights splits its class dim: the parts run
+    :func:`class_parallel_cross_entropy` and each returns the whole loss."""
+    x, t, w = bound.input_shapes[:3]
+    if x is None or t is None or w is not None or not x:
+        return []
+    c = 0 if len(x) == 1 else 1
+    probabilities = len(t) == len(x)
+    num_classes = x[c]
+
+    def modifier(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
+        return {**kwargs, "class_start": part * (num_classes // num), "num_classes": num_classes}
+
+    return [TransformRule(
+        inputs=(Split(c), Split(c) if probabilities else Replicate(), None),
+        outputs=(Replicate(),),
+        modifier=modifier,
+        part_op=CLASS_PARALLEL_CE,
+    )]
 
 
 # -- elementwise losses --------------------------------------------------------------------
@@ -356,7 +434,9 @@ def gen_multilabel_soft_margin(rng: random.Random) -> tuple[tuple, dict]:
 def register(registry: OpRegistry) -> None:
     r = registry.register
     r(F.cross_entropy, cross_entropy_anno, name="torch.nn.functional.cross_entropy",
-      input_gen_fn=_gen_class_loss(True))
+      input_gen_fn=_gen_class_loss(True), transform_rules=cross_entropy_rules)
+    r(class_parallel_cross_entropy, _class_parallel_ce_anno, name=CLASS_PARALLEL_CE,
+      input_gen_fn=_gen_class_loss(True, weights=False), collective=True)
     r(F.nll_loss, nll_loss_anno, name="torch.nn.functional.nll_loss",
       input_gen_fn=_gen_class_loss(False))
     r(F.mse_loss, mse_loss_anno, name="torch.nn.functional.mse_loss",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nnscaler.anno import Reduce, Replicate, Split, TransformRule, ValuePartial
 from nnscaler.ops.builtin._common import (
     SPLITTABLE_SIZES,
     idents,
@@ -159,10 +160,63 @@ def embedding_anno(
     input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
     sparse=False,
 ) -> str:
-    # splitting the vocabulary would need masking of the out-of-range tokens: 'V^'
+    # a part of the vocabulary must mask the tokens it does not hold: 'V^' here, and a
+    # transform rule (embedding_rules) that runs row_parallel_embedding on the parts
     e = "E" if max_norm is None else "E^"  # max_norm renormalizes rows over E
     tokens = idents(input.dim())
     return f"{tensor_str(tokens)}, V^ {e} -> {tensor_str([*tokens, e])}"
+
+
+#: The part op of an embedding whose table is split by rows (Megatron's
+#: vocabulary-parallel embedding): each part looks up the tokens it holds and writes zeros
+#: for the others, so the parts sum to the lookup.
+ROW_PARALLEL_EMBEDDING = "nnscaler.ops.builtin.nn.row_parallel_embedding"
+
+
+def row_parallel_embedding(
+    input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+    sparse=False, *, row_start=0, num_rows=None,
+):
+    """``F.embedding`` with the rows ``[row_start, row_start + len(weight))`` of a table of
+    ``num_rows`` rows: the tokens outside them give zeros."""
+    rows = weight.size(0)
+    if padding_idx is not None:
+        if padding_idx < 0:
+            padding_idx += rows if num_rows is None else num_rows
+        padding_idx -= row_start
+        if not 0 <= padding_idx < rows:
+            padding_idx = None
+    local = input - row_start
+    held = (local >= 0) & (local < rows)
+    if scale_grad_by_freq:  # the counts must not include the tokens held elsewhere
+        found = F.embedding(local[held], weight, padding_idx, max_norm, norm_type, True, sparse)
+        out = weight.new_zeros((*input.shape, weight.size(1)))
+        return out.index_put((held,), found)
+    found = F.embedding(torch.where(held, local, 0), weight, padding_idx, max_norm, norm_type,
+                        False, sparse)
+    return torch.where(held.unsqueeze(-1), found, 0.0)
+
+
+def _row_parallel_embedding_anno(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                                 scale_grad_by_freq=False, sparse=False, **_: Any) -> str:
+    return embedding_anno(input, weight, padding_idx, max_norm, norm_type,
+                          scale_grad_by_freq, sparse)
+
+
+def embedding_rules(bound: Any) -> list[TransformRule]:
+    """embedding splits its table by rows: the parts run :func:`row_parallel_embedding`
+    and their outputs sum to the lookup (value-partial). Not with ``max_norm``, which
+    renormalizes the table in place."""
+    x, w = bound.input_shapes[:2]
+    if x is None or w is None or bound.expanded.inputs[1].idents[1].reduce is Reduce.FROZEN:
+        return []
+    num_rows = w[0]
+
+    def modifier(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
+        return {**kwargs, "row_start": part * (num_rows // num), "num_rows": num_rows}
+
+    return [TransformRule(inputs=(Replicate(), Split(0)), outputs=(ValuePartial(),),
+                          modifier=modifier, part_op=ROW_PARALLEL_EMBEDDING)]
 
 
 def torch_embedding_anno(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False) -> str:
@@ -344,6 +398,8 @@ def register(registry: OpRegistry) -> None:
           input_gen_fn=_gen_dropout(2, 4, train_name=None))
 
     r(F.embedding, embedding_anno, name="torch.nn.functional.embedding",
+      input_gen_fn=gen_embedding, transform_rules=embedding_rules)
+    r(row_parallel_embedding, _row_parallel_embedding_anno, name=ROW_PARALLEL_EMBEDDING,
       input_gen_fn=gen_embedding)
     r(torch.embedding, torch_embedding_anno, name="torch.embedding",
       input_gen_fn=gen_torch_embedding)

@@ -81,11 +81,18 @@ def test_batch_norm_training_uses_batch_statistics(registry):
 
 def test_embedding(registry):
     idx, w = torch.tensor([[0, 3], [2, 1]]), randn(5, 8)
-    # splitting the vocabulary would need masking: V^
+    # a part of the vocabulary must mask the tokens it does not hold: V^, and a rule
     assert anno(registry, F.embedding, idx, w) == "a b, V^ E -> a b E"
     assert anno(registry, F.embedding, idx, w, max_norm=1.0) == "a b, V^ E^ -> a b E^"
     assert anno(registry, F.embedding, torch.tensor(2), w) == "1, V^ E -> E"
-    assert splits(verify_op(registry.lookup(F.embedding), (idx, w), {"padding_idx": 0})) == {"a", "b", "E"}
+    op = registry.lookup(F.embedding)
+    found = verify_op(op, (idx, w), {"padding_idx": 0})
+    assert splits(found) == {"a", "b", "E", "V"}
+    by_rows = [t for t in found if t.ident == "V"]
+    assert {t.part_op for t in by_rows} == {nn.ROW_PARALLEL_EMBEDDING}
+    assert {str(t.outputs[0]) for t in by_rows} == {str(ValuePartial())}
+    # max_norm renormalizes the table in place: no split of the table at all
+    assert splits(verify_op(op, (idx, w), {"max_norm": 1.0})) == {"a", "b"}
 
 
 def test_sdpa_grouped_query_attention(registry):

@@ -1,0 +1,46 @@
+"""The parts of a split that talk to each other, across processes: :class:`ProcessPartGroup`.
+
+Generated code passes one to every call of a collective part op (see
+:mod:`nnscaler.ops.partgroup`): ``group=self.part_group((0, 1))`` names the plan devices
+of the parts in part order, and :meth:`ParallelModule.part_group
+<nnscaler.runtime.ParallelModule.part_group>` maps them to the ranks of this scale unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.ops.partgroup import PartGroup, _check_op
+from nnscaler.runtime.collectives import all_reduce, this_rank
+from nnscaler.runtime.groups import get_group
+
+__all__ = ["ProcessPartGroup"]
+
+
+class ProcessPartGroup(PartGroup):
+    """The parts run by ``ranks`` (in part order); this process is one of them."""
+
+    def __init__(self, ranks: Sequence[int], rank: int | None = None) -> None:
+        self.ranks = tuple(int(r) for r in ranks)
+        rank = this_rank() if rank is None else rank
+        if rank not in self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ProcessPartGroup: the ranks {list(self.ranks)} must be distinct "
+                             f"and include this process's rank {rank}")
+        self.size = len(self.ranks)
+        self.index = self.ranks.index(rank)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        _check_op(op)
+        if self.size == 1:
+            return x if op == "sum" else x.detach()
+        if op == "sum":  # the exact adjoint: each part's x gets the sum of the gradients
+            return all_reduce(x, self.ranks, grad="exact")
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=get_group(self.ranks))
+        return out
+
+    def __repr__(self) -> str:
+        return f"ProcessPartGroup(ranks={list(self.ranks)}, index={self.index})"
