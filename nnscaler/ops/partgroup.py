@@ -50,6 +50,12 @@ class PartGroup:
         _check_op(op)
         return x if op == "sum" else x.detach()
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every part's ``x``, stacked in part order (a new dim 0 of size :attr:`size`);
+        differentiable: each ``x`` gets the sum over parts of the gradients of its slot.
+        Every part calls it, with tensors of one shape, in the same order."""
+        return x.unsqueeze(0)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, size={self.size})"
 
@@ -84,8 +90,7 @@ class ThreadPartGroup(PartGroup):
         self.size = exchange.size
         self.index = index
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        _check_op(op)
+    def _exchange_values(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
         ex = self._exchange
         ex.slots[self.index] = x
         try:
@@ -95,8 +100,16 @@ class ThreadPartGroup(PartGroup):
         except threading.BrokenBarrierError:
             raise PartGroupError("another part of the split failed") from None
         if any(tuple(v.shape) != tuple(x.shape) for v in values):
-            raise PartGroupError(f"PartGroup.all_reduce: the parts passed tensors of shapes "
+            raise PartGroupError(f"PartGroup.{what}: the parts passed tensors of shapes "
                                  f"{[tuple(v.shape) for v in values]}; they must agree")
+        return values
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange_values(x, "all_gather"))
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        _check_op(op)
+        values = self._exchange_values(x, "all_reduce")
         if op == "max":
             return torch.stack([v.detach() for v in values]).amax(0)
         total = values[0]

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from nnscaler.anno import DimAnno, Reduce, Split, Transform, ValuePartial
+from nnscaler.anno import Reduce, Split, Transform, ValuePartial
 from nnscaler.anno import Layout as AnnoLayout
 from nnscaler.graph import IRGraph
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
@@ -172,9 +172,11 @@ def default_bytes_per_mac() -> float:
 
 def op_work(op: Op) -> float:
     """The multiply-accumulates of one forward call of ``op``, from its bound annotation:
-    the product of the output dims and the contracted (``+``) dims for a contraction
-    (linear, matmul, einsum, conv), else the numel of its biggest tensor (elementwise
-    ops, norms, softmax, lookups, losses). 0 without an annotation."""
+    for a contraction (linear, matmul, einsum, conv: an input dim that the output does not
+    keep and that two inputs share, or that is marked ``+``), the product of the output
+    dims and the contracted ones; at least the numel of its biggest tensor (all there is
+    to elementwise ops, norms, softmax, lookups and losses). An estimate: attention counts ``l*s*e*f`` per head
+    where it does ``l*s*(e+f)``. 0 without an annotation."""
     anno = op.anno
     if anno is None:
         return 0.0
@@ -185,22 +187,20 @@ def op_work(op: Op) -> float:
 @functools.lru_cache(maxsize=4096)
 def _work(expanded, sizes, input_shapes, output_shapes) -> float:  # noqa: ANN001
     size = dict(sizes)
+    out_ids = {i.name for t in expanded.outputs for i in t.idents}
+    readers: dict[str, int] = {}  # identifier -> how many inputs carry it
     contracted: set[str] = set()
-    out_ids: set[str] = set()
-    for tensors, ids in ((expanded.inputs, None), (expanded.outputs, out_ids)):
-        for t in tensors:
-            for dim in t.dims or ():
-                if isinstance(dim, DimAnno):
-                    for ident in dim.idents:
-                        if ids is not None:
-                            ids.add(ident.name)
-                        elif ident.reduce is Reduce.SUM:
-                            contracted.add(ident.name)
+    for t in expanded.inputs:
+        for name in {i.name for i in t.idents}:
+            readers[name] = readers.get(name, 0) + 1
+        contracted |= {i.name for i in t.idents if i.reduce is Reduce.SUM}
+    contracted |= {name for name, k in readers.items() if k >= 2}
     contracted -= out_ids
-    if contracted:
-        return float(math.prod(size.get(i, 1) for i in out_ids | contracted))
     shapes = [s for s in (*input_shapes, *output_shapes) if s is not None]
-    return float(max((math.prod(s) for s in shapes), default=0))
+    biggest = max((math.prod(s) for s in shapes), default=0)
+    if contracted:
+        return float(max(biggest, math.prod(size.get(i, 1) for i in out_ids | contracted)))
+    return float(biggest)
 
 
 def redundant_bytes(full: FullTensor, layout: Layout) -> float:

@@ -239,7 +239,7 @@ def hybrid(graph: Graph, compute_config: Any) -> IRGraph:
     """Pipeline stages with tensor parallelism inside each: ``pipeline_nstages``
     pipeline devices of ``plan_ngpus / pipeline_nstages`` devices each, every op of a
     stage split over its devices by the ``tp`` chooser; see the module docstring."""
-    from nnscaler.policies.tensor_parallel import DEFAULT_LOOKAHEAD, _Greedy
+    from nnscaler.policies.tensor_parallel import DEFAULT_LOOKAHEAD, _Greedy, get_bytes_per_mac
 
     n = get_plan_ngpus(compute_config, "hybrid")
     opts = pipeline_options(compute_config, "hybrid", default_nstages=None)
@@ -271,7 +271,7 @@ def hybrid(graph: Graph, compute_config: Any) -> IRGraph:
         # every stage's ops over devices 0 .. k-1, as tensor parallelism on k devices; a
         # tensor crossing a boundary keeps its layout lane by lane, so the chooser's view of
         # one k-device unit is what each stage sees
-        greedy = _Greedy(g, k, lookahead)
+        greedy = _Greedy(g, k, lookahead, get_bytes_per_mac(compute_config, "hybrid"))
         for op in g.nodes():
             greedy.place(op)
     for op in g.nodes():

@@ -17,7 +17,14 @@ computes, in bytes (see :mod:`nnscaler.policies.costs`):
    each later op that reads an output, what it would pay to read it from this option's
    layout under its own best option, recursively ``tp_lookahead`` readers deep. A reader's
    other inputs cost what it takes to bring them from where they are held, or nothing
-   when their producers are not placed yet.
+   when their producers are not placed yet. A weight the option is the first to read is
+   costed for its other readers too (a tied LM head reads the embedding's table from
+   where the embedding puts it);
+3. ``compute``, added to ``moves``: the op's work on one device (its multiply-accumulates,
+   :func:`~nnscaler.policies.costs.op_work`, three times that when gradients flow back,
+   divided by the parts of a split) times ``tp_bytes_per_mac``, the bytes a collective
+   moves in the time of one multiply-accumulate. So a big replicated matmul (an LM head)
+   is split when what it saves outweighs the communication the split adds.
 
 Options compare by ``params``, then ``moves``, then the moves needed now (a gather that
 can wait is not paid early: a later op may need the split), then replication before a
@@ -31,7 +38,10 @@ data parallelism. Ordered first, every weight matrix its annotation lets split i
 sharded, and then as little as possible moves: consecutive linears become Megatron
 column-then-row (the first split on its output features, the activation on the same dim,
 the second on its reduction dim with value-partial outputs; with a bias, linear's
-transform rule adds it on part 0 only), attention splits by heads.
+transform rule adds it on part 0 only), attention splits by heads. With the compute
+term, an LM head splits by vocabulary and its cross-entropy with it (the class-parallel
+cross-entropy of cross_entropy's transform rule), and a tied embedding table by rows
+(Megatron's vocabulary-parallel embedding).
 """
 
 from __future__ import annotations
@@ -263,12 +273,30 @@ class _Greedy:
             self.held[x.full] = layout_of((p.device, w[j]) for p, w in zip(parts, writes))
 
 
+def get_bytes_per_mac(compute_config: Any, policy: str) -> float:
+    """``pas_config['tp_bytes_per_mac']``: what one multiply-accumulate costs, in bytes a
+    collective moves (default: :func:`~nnscaler.policies.costs.default_bytes_per_mac`)."""
+    value = get_pas_config(compute_config, policy).get("tp_bytes_per_mac")
+    if value is None:
+        return default_bytes_per_mac()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise PolicyError(
+            f"policy {policy!r}: pas_config['tp_bytes_per_mac'] is what one multiply-"
+            f"accumulate costs in bytes moved by a collective, a number >= 0 (0: choose by "
+            f"communication alone; default {default_bytes_per_mac()} on this device type); "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
 def tp(graph: Graph, compute_config: Any) -> IRGraph:
     """Tensor parallelism on ``compute_config.plan_ngpus`` devices: every op split through
     its transform space where that pays (see the module docstring), else replicated.
 
-    ``pas_config`` option: ``tp_lookahead`` (default 3), how many readers deep an option's
-    outputs are costed. The result passes ``graph.check(plan_ngpus)``.
+    ``pas_config`` options: ``tp_lookahead`` (default 3), how many readers deep an option's
+    outputs are costed; ``tp_bytes_per_mac``, what a multiply-accumulate costs in bytes
+    (:data:`~nnscaler.policies.costs.BYTES_PER_MAC` of the device type by default; 0
+    leaves computation out). The result passes ``graph.check(plan_ngpus)``.
     """
     n = get_plan_ngpus(compute_config, "tp")
     lookahead = get_pas_config(compute_config, "tp").get("tp_lookahead", DEFAULT_LOOKAHEAD)
@@ -278,12 +306,13 @@ def tp(graph: Graph, compute_config: Any) -> IRGraph:
             f"costs an op's outputs, an int >= 0 (default {DEFAULT_LOOKAHEAD}); got "
             f"{lookahead!r}"
         )
+    bytes_per_mac = get_bytes_per_mac(compute_config, "tp")
     g = as_policy_graph(graph)
     if n == 1:
         for op in g.nodes():
             g.assign(op, 0)
     else:
-        greedy = _Greedy(g, n, lookahead)
+        greedy = _Greedy(g, n, lookahead, bytes_per_mac)
         for op in g.nodes():
             greedy.place(op)
     g.check(n)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.ops.partgroup import PartGroup, _check_op
-from nnscaler.runtime.collectives import all_reduce, this_rank
+from nnscaler.runtime.collectives import all_gather, all_reduce, this_rank
 from nnscaler.runtime.groups import get_group
 
 __all__ = ["ProcessPartGroup"]
@@ -41,6 +41,13 @@ class ProcessPartGroup(PartGroup):
         out = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=get_group(self.ranks))
         return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x.unsqueeze(0)
+        # the ranks are in part order, so the members' chunks are too; exact adjoint:
+        # each part's x gets the reduce-scatter of the gradients
+        return all_gather(x.unsqueeze(0), self.ranks, 0, grad="exact")
 
     def __repr__(self) -> str:
         return f"ProcessPartGroup(ranks={list(self.ranks)}, index={self.index})"

@@ -240,3 +240,28 @@ def test_tp_moves_less_than_no_lookahead():
     near = adapters(tp(fresh("gpt"), config(2, tp_lookahead=0)), 2)
     far = adapters(tp(fresh("gpt"), config(2)), 2)
     assert sum(a.cost for a in far) < sum(a.cost for a in near)
+
+
+def _lm_head(graph: IRGraph) -> list:
+    return [op for op in graph.ops if op.name.endswith("linear")
+            and "lm_head" in (op.module_path or "")]
+
+
+def test_tp_compute_term_splits_the_lm_head_and_its_loss():
+    """The GPT's LM head splits by vocabulary, the tied table by rows (row-parallel
+    embedding) and the loss by classes; with or without computation costed, the plans
+    compute what the model does."""
+    split = tp(fresh("gpt"), config(2, tp_bytes_per_mac=0.04))
+    assert_reproduces(split, "gpt", 2)
+    heads = _lm_head(split)
+    assert len(heads) == 2 and all(op.outputs[0].indmap != heads[0].outputs[0].full.whole().indmap
+                                   for op in heads)
+    parts = {op.opdef.name.rsplit(".", 1)[-1] for op in split.ops if op.opdef is not None}
+    assert {"class_parallel_cross_entropy", "row_parallel_embedding"} <= parts
+    assert_reproduces(tp(fresh("gpt"), config(2, tp_bytes_per_mac=0)), "gpt", 2)
+
+
+@pytest.mark.parametrize("value", [-1, "0.1", True, float("nan")])
+def test_tp_bytes_per_mac_is_checked(value):
+    with pytest.raises(PolicyError, match=r"tp_bytes_per_mac.*number >= 0.*got"):
+        tp(fresh("gpt"), config(2, tp_bytes_per_mac=value))

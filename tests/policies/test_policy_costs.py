@@ -14,6 +14,7 @@ from policy_cases import config, fresh
 from nnscaler.ir import FullTensor, SubTensor
 from nnscaler.layout import Layout, piece
 from nnscaler.policies import adapters, data, dp, layout_of, total_cost, tp
+from nnscaler.policies.costs import op_work
 
 
 def _full(shape: tuple[int, ...]) -> FullTensor:
@@ -96,3 +97,19 @@ def test_dp_needs_no_adapter_and_data_gathers_for_the_loss():
 def test_adapters_need_a_complete_plan():
     with pytest.raises(ValueError, match="is not assigned to a device"):
         adapters(fresh("mlp"), 2)
+
+
+def test_op_work_counts_multiply_accumulates():
+    """A contraction's work is the product of its output and contracted dims; anything
+    else costs the numel of its biggest tensor."""
+    graph = fresh("gpt")
+    work = {}
+    for op in graph.ops:
+        work.setdefault(op.name.rsplit(".", 1)[-1], []).append((op, op_work(op)))
+    for op, w in work["linear"]:
+        x, weight = op.inputs[0].shape, op.inputs[1].shape
+        assert w == math.prod(x[:-1]) * weight[0] * weight[1]
+    for op, w in work["embedding"]:  # a lookup: the numel of its biggest tensor
+        assert w == max(math.prod(op.outputs[0].shape), math.prod(op.inputs[1].shape))
+    for op, w in work["cross_entropy"]:  # the logits
+        assert w == math.prod(op.inputs[0].shape)

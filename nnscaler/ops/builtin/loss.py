@@ -11,7 +11,7 @@ The marks follow the reduction:
 
 A dim that a per-sample loss mixes (the class dim of cross_entropy) is ``^`` throughout;
 cross_entropy's transform rule splits its class dim all the same, into parts that run
-:func:`class_parallel_cross_entropy` and all-reduce what they need of the other classes.
+:func:`class_parallel_cross_entropy` and exchange a few numbers per sample.
 The output of a reduced loss is the 0-d tensor ``1``.
 """
 
@@ -143,7 +143,7 @@ def _gen_class_loss(probabilities: bool, weights: bool = True):
 # -- cross_entropy over classes split in parts ---------------------------------------------
 
 #: The part op of a cross_entropy whose class dim is split (Megatron's vocabulary-parallel
-#: cross-entropy): the parts all-reduce the maximum, the normalizer and the target's logit.
+#: cross-entropy): the parts exchange their maximum, normalizer and target logit.
 CLASS_PARALLEL_CE = "nnscaler.ops.builtin.loss.class_parallel_cross_entropy"
 
 
@@ -155,7 +155,13 @@ def class_parallel_cross_entropy(
     """``F.cross_entropy`` on this part's classes ``[class_start, class_start + C_part)``
     of ``num_classes``, the parts joined by ``group`` (a :class:`PartGroup`): every part
     returns the loss over all classes. Targets are class indices (read whole) or class
-    probabilities (split like ``input``); no class weights."""
+    probabilities (split like ``input``); no class weights.
+
+    Each part reduces its classes to a few numbers per sample (its maximum, its sum of
+    exponentials relative to it, the target's logit where it holds the target, ...) and
+    one all-gather of those lets every part finish the loss; the backward is the
+    all-gather's adjoint, one reduce-scatter of as many numbers.
+    """
     if weight is not None:
         raise ValueError("class_parallel_cross_entropy: class weights are not supported; "
                          "the transform rule only splits the classes of an unweighted loss")
@@ -164,21 +170,31 @@ def class_parallel_cross_entropy(
     if num_classes is None:
         num_classes = input.size(c) * group.size
     eps = float(label_smoothing)
-    peak = group.all_reduce(input.detach().amax(c), "max")
-    z = input - peak.unsqueeze(c)
-    lse = group.all_reduce(z.exp().sum(c), "sum").log()  # log-sum-exp, less the peak
-    if target.is_floating_point():  # class probabilities
+    peak = input.detach().amax(c)
+    stats = [peak, (input - peak.unsqueeze(c)).exp().sum(c)]
+    probabilities = target.is_floating_point()
+    if probabilities:
         t = target * (1 - eps) + eps / num_classes if eps else target
-        loss = lse * group.all_reduce(t.sum(c), "sum") - group.all_reduce((t * z).sum(c), "sum")
+        stats += [t.sum(c), (t * input).sum(c)]
+    else:
+        local = target - class_start
+        held = (local >= 0) & (local < input.size(c))
+        picked = input.gather(c, torch.where(held, local, 0).unsqueeze(c)).squeeze(c)
+        stats.append(torch.where(held, picked, 0.0))
+        if eps:
+            stats.append(input.sum(c))
+    every = group.all_gather(torch.stack(stats))  # [parts, stats, *samples]
+    peaks = every[:, 0].detach()
+    top = peaks.amax(0)
+    lse = top + (every[:, 1] * (peaks - top).exp()).sum(0).log()
+    if probabilities:
+        loss = lse * every[:, 2].sum(0) - every[:, 3].sum(0)
         if red == "none":
             return loss
         return loss.sum() if red == "sum" else loss.sum() / loss.numel()
-    local = target - class_start
-    held = (local >= 0) & (local < input.size(c))
-    picked = z.gather(c, torch.where(held, local, 0).unsqueeze(c)).squeeze(c)
-    loss = lse - group.all_reduce(torch.where(held, picked, 0.0), "sum")
+    loss = lse - every[:, 2].sum(0)
     if eps:
-        loss = (1 - eps) * loss + eps * (lse - group.all_reduce(z.sum(c), "sum") / num_classes)
+        loss = (1 - eps) * loss + eps * (lse - every[:, 3].sum(0) / num_classes)
     valid = target != ignore_index
     loss = torch.where(valid, loss, 0.0)
     if red == "none":
