@@ -363,6 +363,8 @@ def register_op(
     emit_fn: Callable[..., str] | None = None,
     transform_rules: Sequence[TransformRule] | None = None,
     input_gen_fn: Callable[..., Any] | None = None,
+    *,
+    collective: bool = False,
 ):
     """Register a function as an operator with a dim annotation.
 
@@ -382,6 +384,9 @@ def register_op(
     - ``input_gen_fn``: ``input_gen_fn(rng: random.Random) -> (args, kwargs)`` draws one
       random valid call of the op; :func:`nnscaler.ops.verify.verify_op` checks the
       annotation on such calls (the test suite does so for every built-in op).
+    - ``collective``: the function is the *part op* of another op's
+      :class:`~nnscaler.anno.TransformRule` (``part_op=``) whose parts talk to each other:
+      it takes the keyword ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup`.
 
     Returns the function to call in models: for a plain function, a wrapper with the same
     name and docstring; for ``SomeFunction.apply``, ``SomeFunction.apply`` itself is
@@ -401,6 +406,7 @@ def register_op(
             emit_fn=emit_fn,
             transform_rules=transform_rules,
             input_gen_fn=input_gen_fn,
+            collective=collective or None,
         )
         return make_recording_wrapper(fn, opdef_name)
 
