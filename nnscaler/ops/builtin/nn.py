@@ -189,9 +189,10 @@ def row_parallel_embedding(
     local = input - row_start
     held = (local >= 0) & (local < rows)
     if scale_grad_by_freq:  # the counts must not include the tokens held elsewhere
+        local, held = local.reshape(-1), held.reshape(-1)
         found = F.embedding(local[held], weight, padding_idx, max_norm, norm_type, True, sparse)
-        out = weight.new_zeros((*input.shape, weight.size(1)))
-        return out.index_put((held,), found)
+        out = weight.new_zeros((local.numel(), weight.size(1))).index_put((held,), found)
+        return out.reshape(*input.shape, weight.size(1))
     found = F.embedding(torch.where(held, local, 0), weight, padding_idx, max_norm, norm_type,
                         False, sparse)
     return torch.where(held.unsqueeze(-1), found, 0.0)
