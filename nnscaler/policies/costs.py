@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from nnscaler.anno import Reduce, Split, Transform, ValuePartial
 from nnscaler.anno import Layout as AnnoLayout
+from nnscaler.anno import Reduce, Split, Transform, ValuePartial
 from nnscaler.graph import IRGraph
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Layout, Plan, plan
