@@ -119,14 +119,34 @@ class TransformRule:
     the same arguments and the modifier's keywords: a split that needs other code than
     the whole op (a lookup into a slice of a table masks the rows it does not hold). When
     that op is registered ``collective=True`` its parts also talk to each other: each
-    receives ``group``, a :class:`~nnscaler.ops.PartGroup` of the parts of the split
-    (e.g. a cross-entropy over classes split in parts all-reduces its normalizer).
+    receives ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup` of the parts of the
+    split (a cross-entropy over classes split in parts exchanges its normalizers).
+
+    A *value rule* has no ``Split`` input, only ``ValuePartial`` ones (and ``Replicate``
+    or ``None``): the op is linear in those inputs, so parts given value parts of them
+    return value parts of the result (``a + b`` of value-partial ``a`` and ``b``). It is
+    the transform with ``dim=None`` (``partition(op, idx=k, dim=None, num=n)``), legal for
+    every ``num >= 2``.
     """
 
     inputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
     outputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
     modifier: Modifier | None = None
     part_op: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not any(isinstance(x, (Split, ValuePartial)) for x in self.inputs):
+            raise ValueError(
+                f"TransformRule{tuple(self.inputs)}: a rule splits some input: give one input "
+                f"Split(dim) (the rule answers requests to split that dim), or ValuePartial() "
+                f"for a value rule (an op linear in its inputs: value parts in, value parts "
+                f"out)"
+            )
+
+    @property
+    def is_value_rule(self) -> bool:
+        """No input is split along a dim: the rule splits values (``dim=None``)."""
+        return not any(isinstance(x, Split) for x in self.inputs)
 
 
 def _str_layouts(layouts: Sequence[Layout | None]) -> str:
@@ -143,7 +163,7 @@ class Transform:
     """
 
     idx: int
-    dim: int
+    dim: int | None
     num: int
     ident: str
     inputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
@@ -160,7 +180,9 @@ class Transform:
         return out
 
     def __str__(self) -> str:
-        text = (f"split input {self.idx} dim {self.dim} ({self.ident!r}) in {self.num}: "
+        what = (f"the values of input {self.idx}" if self.dim is None
+                else f"input {self.idx} dim {self.dim} ({self.ident!r})")
+        text = (f"split {what} in {self.num}: "
                 f"{_str_layouts(self.inputs)} -> {_str_layouts(self.outputs)}")
         updates = ", ".join(f"{k}={v}" for k, v in self.kwarg_updates.items())
         text = f"{text} [{updates}]" if updates else text
@@ -269,34 +291,62 @@ def transform_space(
             name, size, rule = found
             nums = _divisors(size) if num is None else [num] if num >= 2 and size % num == 0 else []
             space.extend(_make(bound, idx, dim, n, name, rule) for n in nums)
+    for rule in rules:
+        if rule.is_value_rule:
+            nums = list(VALUE_NUMS) if num is None else [num] if num >= 2 else []
+            space.extend(_value_transform(rule, n) for n in nums)
     return space
 
 
+#: The numbers of parts a value split is listed with when no ``num`` is asked for (any
+#: ``num >= 2`` is legal).
+VALUE_NUMS = (2, 3, 4)
+
+
+def _value_transform(rule: TransformRule, num: int) -> Transform:
+    idx = next(i for i, x in enumerate(rule.inputs) if isinstance(x, ValuePartial))
+    return Transform(idx, None, num, "+", rule.inputs, rule.outputs, modifier=rule.modifier,
+                     part_op=rule.part_op)
+
+
 def split(
-    bound: BoundAnno, idx: int, dim: int, num: int, *, rules: Sequence[TransformRule] = ()
+    bound: BoundAnno, idx: int, dim: int | None, num: int, *,
+    rules: Sequence[TransformRule] = (),
 ) -> Transform:
-    """The transform splitting input ``idx`` along ``dim`` in ``num`` parts.
+    """The transform splitting input ``idx`` along ``dim`` in ``num`` parts; ``dim=None``
+    splits the values of input ``idx`` (a value rule of ``rules``).
 
     Raises :class:`AnnotationError` saying why the split is illegal and listing the legal
     ``(idx, dim, num)`` choices.
     """
     _check_rules(bound, rules)
-    found = _examine(bound, idx, dim, rules)
+    if dim is None:
+        value = [r for r in rules if r.is_value_rule and 0 <= idx < len(r.inputs)
+                 and isinstance(r.inputs[idx], ValuePartial)]
+        if value and num >= 2:
+            return _value_transform(value[0], num)
+        found = ("num must be at least 2" if value else
+                 f"no value rule of the op takes input {idx} value-partial")
+    else:
+        found = _examine(bound, idx, dim, rules)
     if not isinstance(found, str):
         name, size, rule = found
         if num >= 2 and size % num == 0:
-            return _make(bound, idx, dim, num, name, rule)
+            return _make(bound, idx, dim, num, name, rule)  # type: ignore[arg-type]
         found = f"{name!r} has size {size}; num must be a divisor of it, at least 2"
     tensors = bound.expanded.inputs
-    valid = 0 <= idx < len(tensors) and 0 <= dim < len(tensors[idx].dims or ())
+    valid = (dim is not None and 0 <= idx < len(tensors)
+             and 0 <= dim < len(tensors[idx].dims or ()))
     position = tensors[idx].positions[dim] if valid else None
     choices: dict[tuple[int, int, str], list[int]] = {}
     for t in transform_space(bound, rules=rules):
         choices.setdefault((t.idx, t.dim, t.ident), []).append(t.num)
-    legal = "\n".join(f"  idx={i}, dim={d} ({name!r}): num in {nums}"
+    legal = "\n".join(f"  idx={i}, dim={d} ({name!r}): num in {nums}" if d is not None
+                      else f"  idx={i}, dim=None (its values): any num >= 2"
                       for (i, d, name), nums in choices.items())
+    what = f"the values of input {idx}" if dim is None else f"input {idx} dim {dim}"
     raise AnnotationError(
-        f"cannot split input {idx} dim {dim} in {num}: {found}\n"
+        f"cannot split {what} in {num}: {found}\n"
         + (f"legal choices (idx, dim, num):\n{legal}" if legal else "no split is legal: replicate the op"),
         annotation=bound.anno.source or str(bound.anno),
         position=position,

@@ -10,7 +10,7 @@ import torch
 
 from nnscaler.anno.errors import PromiseBrokenError
 from nnscaler.anno.parser import OpAnno, parse
-from nnscaler.anno.transform import Replicate, Transform, TransformRule
+from nnscaler.anno.transform import Replicate, Transform, TransformRule, ValuePartial
 from nnscaler.ops.partgroup import run_parts
 
 __all__ = ["check_promise"]
@@ -94,7 +94,8 @@ def check_promise(
         calls = []
         for part in range(t.num):
             args = [x if layout is None or not isinstance(x, torch.Tensor)
-                    else layout.chunk(x, t.num, part) for x, layout in zip(inputs, t.inputs, strict=True)]
+                    else _piece(layout, x, t.num, part)
+                    for x, layout in zip(inputs, t.inputs, strict=True)]
             kw = part_kwargs(t, kwargs, part) if part_kwargs else t.part_kwargs(kwargs, part)
             calls.append(functools.partial(_call, part_fn, args, kw, collective))
         results: list[Any] = []
@@ -119,6 +120,16 @@ def check_promise(
             _compare(layout.combine([p[k] for p in parts]), whole[k], rtol, atol,
                      f"{name} breaks its promise under {t}: output {k}", hint)
     return space
+
+
+def _piece(layout: Any, x: torch.Tensor, num: int, part: int) -> torch.Tensor:
+    """Part ``part`` of input ``x`` in ``layout``. A floating value-partial input is cut
+    into unequal shares (``k / (1 + ... + num)`` of it for part ``k - 1``), so that an op
+    that is not linear in it cannot pass for linear (with the whole on part 0 and zeros
+    elsewhere, ``a * b`` would)."""
+    if isinstance(layout, ValuePartial) and x.is_floating_point():
+        return x * ((part + 1) / (num * (num + 1) / 2))
+    return layout.chunk(x, num, part)
 
 
 def _call(fn: Callable[..., Any], args: list[Any], kw: dict[str, Any], collective: bool,

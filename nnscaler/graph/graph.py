@@ -257,10 +257,12 @@ class IRGraph(Graph):
         algo: str | None = None,
         *,
         idx: int,
-        dim: int,
+        dim: int | None,
         num: int,
     ) -> list[Op]:
-        """Split ``op`` in ``num`` parts along dim ``dim`` of its input ``idx``.
+        """Split ``op`` in ``num`` parts along dim ``dim`` of its input ``idx``
+        (``dim=None``: split the values, by the op's value rule: value parts of input
+        ``idx`` in, value parts out).
 
         The split must be in the op's transform space (its annotation, or its op's
         transform rules): every tensor that carries the split identifier is split the same
@@ -278,9 +280,10 @@ class IRGraph(Graph):
             )
         op = self._require(op, "partition")
         for key, value in (("idx", idx), ("dim", dim), ("num", num)):
-            if not _is_int(value):
-                raise TypeError(f"partition {self.describe(op)}: {key} must be an int, got "
-                                f"{value!r}")
+            if not _is_int(value) and not (key == "dim" and value is None):
+                raise TypeError(f"partition {self.describe(op)}: {key} must be an int"
+                                f"{' or None (split the values)' if key == 'dim' else ''}, "
+                                f"got {value!r}")
         if op.is_opaque or op.anno is None or op.opdef is None:
             raise PartitionError(
                 f"cannot partition {self.describe(op)}: the op has no dim annotation, so "
@@ -295,7 +298,7 @@ class IRGraph(Graph):
                 f"cannot be split again. Split the op it came from in more parts instead"
             )
         anno, given = op.anno, dim
-        if 0 <= idx < len(anno.expanded.inputs) and dim < 0:  # from the end, as in torch
+        if dim is not None and 0 <= idx < len(anno.expanded.inputs) and dim < 0:  # from the end
             dim += len(anno.expanded.inputs[idx].dims or ())
         try:
             transform = anno.split(idx, dim, num, rules=op.opdef.rules_for(anno))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nnscaler.anno import TransformRule, ValuePartial
 from nnscaler.ops.builtin._common import SIZES, broadcast_anno, is_tensor, rand_shape, randint
 from nnscaler.ops.builtin._common import randn as _randn
 from nnscaler.ops.registry import OpRegistry
@@ -82,6 +83,7 @@ def register_all(
     name: str,
     gen: Gen,
     signature: Callable[..., Any] | None = None,
+    transform_rules: Callable[[Any], list[TransformRule]] | None = None,
 ) -> None:
     """Register ``fns[0]`` as op ``name`` with the other callables of ``fns`` as aliases."""
     fns = [f for f in fns if f is not None]
@@ -91,7 +93,7 @@ def register_all(
             uniq.append(f)
     registry.register(
         uniq[0], annotation, name=name, aliases=tuple(uniq[1:]), input_gen_fn=gen,
-        signature=signature,
+        signature=signature, transform_rules=transform_rules,
     )
 
 
@@ -526,11 +528,20 @@ def _reverse_table() -> list[tuple[Any, str, Gen]]:
     ]
 
 
+def sum_of_parts_rules(bound: Any) -> list[TransformRule]:
+    """``add``/``sub`` of two tensors is linear in the pair: given value parts of both,
+    the parts return value parts of the result (a value rule)."""
+    if any(shape is None for shape in bound.input_shapes[:2]):
+        return []  # a number operand would be added by every part
+    return [TransformRule((ValuePartial(), ValuePartial()), (ValuePartial(),))]
+
+
 def _register_binary(registry: OpRegistry) -> None:
     for name, signature, extra, gen, inplace_gen in _binary_table():
         anno = broadcast_op(signature, 2)
         register_all(registry, spellings(name, *extra), anno, name=f"torch.{name}", gen=gen,
-                     signature=signature)
+                     signature=signature,
+                     transform_rules=sum_of_parts_rules if name in ("add", "sub") else None)
         sig_ = self_first(signature)
         _register_inplace(registry, name, broadcast_op(sig_, 2), inplace_gen, sig_,
                           INPLACE_DUNDERS.get(name, ()))
