@@ -15,6 +15,8 @@ collectives over the group's cached process group, point-to-point ``move``,
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from typing import Any
 
@@ -249,12 +251,18 @@ def _check_grad(grad: str) -> None:
 def _backward_plans(plan: Plan, grad: str) -> list[Plan]:
     """The plans the backward runs, in order."""
     _check_grad(grad)
+    return list(_backward_plans_of(plan, grad))
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_plans_of(plan: Plan, grad: str) -> tuple[Plan, ...]:
+    # every backward of an adapter asks again: derive the adjoints once per plan
     adjoint = plan.adjoint()
     if grad == "exact":
-        return [adjoint]
+        return (adjoint,)
     to_exact = make_plan(plan.dst.replicated(), plan.dst.dual())
     to_replicated = make_plan(plan.src.dual(), plan.src.replicated())
-    return [to_exact, adjoint, to_replicated]
+    return (to_exact, adjoint, to_replicated)
 
 
 def plan_groups(plan: Plan, *, grad: GradConvention = "exact") -> list[tuple[int, ...]]:
