@@ -224,8 +224,14 @@ class _Rank:
             if full.kind is not TensorKind.INPUT:
                 continue
             # a pipeline's sample is data: its gradient is not summed over the unit
-            grad = (training and full.requires_grad and self.p.plan_ngpus > 1
-                    and self.pipe is None)
+            summed = training and self.p.plan_ngpus > 1 and self.pipe is None
+            grad = summed and full.requires_grad
+            if summed and not full.requires_grad and (full.dtype.is_floating_point
+                                                      or full.dtype.is_complex):
+                # its gradient is not summed here: refuse a value that requires grad
+                check = f"boundary.data_input({leaf.access}, {leaf.access!r})"
+                lines.append(f"{leaf.name} = {check}" if leaf.name in self.used else check)
+                continue
             if leaf.name not in self.used and not grad:
                 continue
             if grad:

@@ -415,90 +415,10 @@ def parallelize(
 
     if not load_module:
         return None
-    guard = _InputGradGuard.of(module_class, dummy_forward_args, compute_config.plan_ngpus)
-    return _load(outdir, rank, is_class, init_module_params, guard)
+    return _load(outdir, rank, is_class, init_module_params)
 
 
-class _InputGradGuard:
-    """A forward pre-hook: a floating-point input that needs a gradient at run time but
-    did not when traced gets an error instead of a wrong gradient.
-
-    Inside a scale unit of several devices, the gradient of an input is held as shares
-    until the generated code sums them (``boundary.input``), which it does only for inputs
-    that required grad when traced. A parallel submodule fed activations must therefore be
-    traced with dummy inputs that require grad, like the real ones.
-    """
-
-    def __init__(self, signature: inspect.Signature, traced: dict[str, list[bool]],
-                 cls_name: str) -> None:
-        self.signature = signature
-        self.traced = traced
-        self.cls_name = cls_name
-
-    @classmethod
-    def of(cls, module_class: type, dummy_forward_args: Mapping[str, Any],
-           plan_ngpus: int) -> _InputGradGuard | None:
-        if plan_ngpus == 1:
-            return None  # one device per unit: no shares to sum
-        traced = {
-            name: [t.requires_grad for t in _tensor_leaves(value)]
-            for name, value in dummy_forward_args.items()
-        }
-        if all(all(flags) for flags in traced.values()):
-            return None
-        try:
-            signature = inspect.signature(module_class.forward)
-        except (TypeError, ValueError):
-            return None
-        params = list(signature.parameters.values())[1:]  # drop self
-        return cls(signature.replace(parameters=params), traced, module_class.__qualname__)
-
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled():
-            return
-        try:
-            bound = self.signature.bind_partial(*args, **kwargs)
-        except TypeError:
-            return  # the generated forward reports bad arguments itself
-        for name, value in bound.arguments.items():
-            flags = self.traced.get(name, [])
-            for i, t in enumerate(_tensor_leaves(value)):
-                if t.requires_grad and i < len(flags) and not flags[i]:
-                    raise ParallelizeError(
-                        f"{self.cls_name}.forward: the argument {name!r} requires grad, but "
-                        f"its dummy value did not when the module was parallelized, so the "
-                        f"generated code does not sum its gradient over the devices of the "
-                        f"scale unit (the gradient would be wrong). Parallelize with a dummy "
-                        f"that requires grad, e.g. {{{name!r}: x.detach().requires_grad_()}}, "
-                        f"or detach the input"
-                    )
-
-    def install(self, pm: torch.nn.Module) -> None:
-        pm.register_forward_pre_hook(self, with_kwargs=True)
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    import torch.utils._pytree as pytree
-
-    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
-
-
-def _guarded_class(cls: type, guard: _InputGradGuard) -> type:
-    """A subclass of the generated class whose instances install ``guard``."""
-
-    def __init__(self: Any, init_params: bool = True) -> None:
-        cls.__init__(self, init_params)
-        guard.install(self)
-
-    return type(cls.__name__, (cls,), {
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__init__": __init__, "__doc__": cls.__doc__,
-    })
-
-
-def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
-          guard: _InputGradGuard | None) -> Any:
+def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool) -> Any:
     from nnscaler.codegen import load_generated_class
 
     path = outdir / files.gencode_name(rank)
@@ -518,8 +438,5 @@ def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
         )
     cls = load_generated_class(outdir, rank)
     if is_class:
-        return cls if guard is None else _guarded_class(cls, guard)
-    pm = cls(init_params=init_module_params)
-    if guard is not None:
-        guard.install(pm)
-    return pm
+        return cls
+    return cls(init_params=init_module_params)

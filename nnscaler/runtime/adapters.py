@@ -16,7 +16,6 @@ collectives over the group's cached process group, point-to-point ``move``,
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from typing import Any
 

@@ -83,6 +83,24 @@ def input(t: Any, ranks: Sequence[int]) -> Any:  # noqa: A001 - the contract's n
     return _Input.apply(t, ranks)
 
 
+def data_input(t: Any, name: str) -> Any:
+    """A floating-point forward argument that did not require grad when the module was
+    traced: the generated code does not sum its gradient over the scale unit (it holds
+    shares there), so a value that requires grad now would get a wrong gradient. Raise
+    instead; other values pass through."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        from nnscaler.runtime.module import ParallelModuleError
+
+        raise ParallelModuleError(
+            f"the forward argument {name!r} requires grad, but its dummy value did not when "
+            f"the module was parallelized, so the generated code does not sum its gradient "
+            f"over the devices of the scale unit (the gradient would be wrong). Parallelize "
+            f"with a dummy that requires grad, like the real one (e.g. "
+            f"{name.split('[')[0]!r}: x.detach().requires_grad_()), or detach the input"
+        )
+    return t
+
+
 class Adapter:
     """One layout change in generated code: ``Adapter(src, dst, shape=..., dtype=...)``.
 

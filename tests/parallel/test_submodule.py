@@ -4,6 +4,7 @@ the rest of the model runs data parallel across scale units."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ def test_submodule_with_zero(tmp_path):
 
 def _guard_worker(rank, world, gen_savedir):
     from nnscaler import ComputeConfig, parallelize
-    from nnscaler.parallel import ParallelizeError
+    from nnscaler.runtime import ParallelModuleError
 
     cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=2)
     torch.manual_seed(0)
@@ -122,13 +123,16 @@ def _guard_worker(rank, world, gen_savedir):
         heavy(x.detach())  # an input without grad is fine
         try:
             heavy(x.detach().requires_grad_())
-        except ParallelizeError as e:
+        except ParallelModuleError as e:
             messages.append(str(e))
+    # the check is in the generated file itself, for whoever loads it
+    code = list(Path(gen_savedir).rglob(f"gencode{rank}.py"))
+    assert code and all("boundary.data_input(x, 'x')" in f.read_text() for f in code)
     return messages
 
 
 def test_input_that_needs_grad_but_was_traced_without(tmp_path):
     for messages in run_distributed(_guard_worker, 2, str(tmp_path)):
         assert len(messages) == 2
-        assert all("the argument 'x' requires grad, but its dummy value did not" in m
-                   for m in messages)
+        assert all("the forward argument 'x' requires grad, but its dummy value did not"
+                   in m for m in messages)
