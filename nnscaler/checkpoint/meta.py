@@ -534,10 +534,5 @@ def check_module_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], p
 def refresh_zero_shards(pm: ParallelModule) -> None:
     """After the parameters changed in place: copy them into the ZeRO shards (the fp32
     tensors the optimizer updates)."""
-    with torch.no_grad():
-        for reducer in pm.reducers:
-            if not getattr(reducer, "zero", False):
-                continue
-            for bucket in reducer.buckets:
-                if bucket.shard_param is not None and bucket.param_buffer is not None:
-                    bucket.shard_param.copy_(bucket.shard_slice(bucket.param_buffer))
+    for reducer in pm.reducers:
+        reducer.refresh_shards()

@@ -138,17 +138,6 @@ def _parallel_modules(module: torch.nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, ParallelModule)]
 
 
-def _refresh_zero_shards(reducer: Any) -> None:
-    """After the full parameters changed in place: copy them into the ZeRO shards (the
-    fp32 copies the optimizer updates), so the next step starts from the new values."""
-    if not getattr(reducer, "zero", False):
-        return
-    with torch.no_grad():
-        for bucket in reducer.buckets:
-            if bucket.shard_param is not None and bucket.param_buffer is not None:
-                bucket.shard_param.copy_(bucket.shard_slice(bucket.param_buffer))
-
-
 def broadcast_weights(module: torch.nn.Module, stride: int | None = None) -> None:
     """Copy the module state (parameters and buffers, persistent or not) of ranks
     ``0..stride-1`` to every rank ``r`` from rank ``r % stride`` (collective).
@@ -197,6 +186,6 @@ def broadcast_weights(module: torch.nn.Module, stride: int | None = None) -> Non
             seen.add(id(t))
             dist.broadcast(t.data, src=src, group=group)
     for pm in pms:
-        for reducer in getattr(pm, "reducers", ()):
-            _refresh_zero_shards(reducer)
+        for reducer in pm.reducers:
+            reducer.refresh_shards()
 

@@ -370,6 +370,17 @@ class Reducer:
                 else:
                     dist.all_gather_single(bucket.param_buffer, shard, group=self._zero_group)
 
+    def refresh_shards(self) -> None:
+        """After the full parameters changed in place (weights loaded or broadcast): copy
+        them into the ZeRO shards (the fp32 tensors the optimizer updates), so the next
+        step starts from the new values. No-op without zero."""
+        if not self.zero:
+            return
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.shard_param is not None and bucket.param_buffer is not None:
+                    bucket.shard_param.copy_(bucket.shard_slice(bucket.param_buffer))
+
     def remove_hooks(self) -> None:
         """Detach the gradient-ready hooks (async mode)."""
         for h in self._handles:

@@ -112,3 +112,17 @@ def test_zero_single_rank_shard_is_whole_buffer():
     ref = make_mlp()
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r + 1.0)
+
+
+def test_refresh_shards_copies_changed_parameters_into_the_shards():
+    model = make_mlp()
+    reducer = Reducer(model.parameters(), [0], zero=True)
+    (shard,) = reducer.parameters_for_optimizer()
+    before = shard.detach().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)  # e.g. weights loaded in place
+    assert torch.equal(shard.detach(), before)  # the shard is a copy: stale until refreshed
+    reducer.refresh_shards()
+    torch.testing.assert_close(shard.detach(), 2.0 * before, rtol=0, atol=0)
+    Reducer(make_mlp().parameters(), [0]).refresh_shards()  # without zero: nothing to do
