@@ -57,7 +57,7 @@ class BoundAnno:
         return transform_space(self, num, rules=rules)
 
     def split(
-        self, idx: int, dim: int, num: int, *, rules: Sequence[TransformRule] = ()
+        self, idx: int, dim: int | None, num: int, *, rules: Sequence[TransformRule] = ()
     ) -> Transform:
         """The transform that splits input ``idx`` along ``dim`` in ``num`` parts."""
         from nnscaler.anno.transform import split

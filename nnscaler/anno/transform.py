@@ -303,8 +303,9 @@ def transform_space(
 VALUE_NUMS = (2, 3, 4)
 
 
-def _value_transform(rule: TransformRule, num: int) -> Transform:
-    idx = next(i for i, x in enumerate(rule.inputs) if isinstance(x, ValuePartial))
+def _value_transform(rule: TransformRule, num: int, idx: int | None = None) -> Transform:
+    if idx is None:
+        idx = next(i for i, x in enumerate(rule.inputs) if isinstance(x, ValuePartial))
     return Transform(idx, None, num, "+", rule.inputs, rule.outputs, modifier=rule.modifier,
                      part_op=rule.part_op)
 
@@ -324,7 +325,7 @@ def split(
         value = [r for r in rules if r.is_value_rule and 0 <= idx < len(r.inputs)
                  and isinstance(r.inputs[idx], ValuePartial)]
         if value and num >= 2:
-            return _value_transform(value[0], num)
+            return _value_transform(value[0], num, idx)
         found = ("num must be at least 2" if value else
                  f"no value rule of the op takes input {idx} value-partial")
     else:

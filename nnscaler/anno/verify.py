@@ -123,13 +123,24 @@ def check_promise(
 
 
 def _piece(layout: Any, x: torch.Tensor, num: int, part: int) -> torch.Tensor:
-    """Part ``part`` of input ``x`` in ``layout``. A floating value-partial input is cut
-    into unequal shares (``k / (1 + ... + num)`` of it for part ``k - 1``), so that an op
-    that is not linear in it cannot pass for linear (with the whole on part 0 and zeros
-    elsewhere, ``a * b`` would)."""
-    if isinstance(layout, ValuePartial) and x.is_floating_point():
-        return x * ((part + 1) / (num * (num + 1) / 2))
-    return layout.chunk(x, num, part)
+    """Part ``part`` of input ``x`` in ``layout``. A value-partial input is cut into
+    shares that sum to it but are not proportional to it (``x / num`` plus fixed
+    pseudo-random offsets that sum to zero; integers alike, in whole numbers), so that an
+    op that is not linear in it cannot pass for linear: with the whole on part 0 and
+    zeros elsewhere ``a * b`` would, and with proportional shares ``relu`` would."""
+    if not isinstance(layout, ValuePartial) or x.dtype == torch.bool or num < 2:
+        return layout.chunk(x, num, part)
+    gen = torch.Generator().manual_seed(0x5EED + num)
+    if x.is_floating_point() or x.is_complex():
+        scale = float(x.detach().abs().mean()) if x.numel() else 1.0
+        noise = torch.randn((num, *x.shape), generator=gen, dtype=torch.float64)
+        offsets = (noise - noise.mean(0)) * (scale or 1.0)
+        return x / num + offsets[part].to(x.dtype if x.is_floating_point() else x.real.dtype)
+    noise = torch.randint(-3, 4, (num, *x.shape), generator=gen, dtype=torch.int64)
+    noise[-1] = -noise[:-1].sum(0)
+    base = torch.div(x, num, rounding_mode="floor")
+    share = base if part else x - base * (num - 1)
+    return (share + noise[part]).to(x.dtype)
 
 
 def _call(fn: Callable[..., Any], args: list[Any], kw: dict[str, Any], collective: bool,

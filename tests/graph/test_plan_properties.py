@@ -19,8 +19,13 @@ _SPLITS: dict[Op, list[Transform]] = {}
 def legal_splits(op: Op) -> list[Transform]:
     if op not in _SPLITS:
         rules = op.opdef.rules_for(op.anno) if op.opdef is not None else ()
-        _SPLITS[op] = [] if op.anno is None else op.anno.transform_space(rules=rules)
+        whole = op.anno is None or _collective(op)  # a collective part runs once, whole
+        _SPLITS[op] = [] if whole else op.anno.transform_space(rules=rules)
     return _SPLITS[op]
+
+
+def _collective(op: Op) -> bool:
+    return op.opdef is not None and op.opdef.collective
 
 
 def gives_partial(op: Op) -> bool:
@@ -46,8 +51,9 @@ def draw_plan(data: st.DataObject, graph: IRGraph, ndevices: int) -> IRGraph:
             part = data.draw(st.sampled_from(again), label="part")
             t = data.draw(st.sampled_from(legal_splits(part)), label="nested split")
             graph.partition(part, idx=t.idx, dim=t.dim, num=t.num)
+        copyable = [op for op in graph.nodes() if not _collective(op)]
         if data.draw(st.booleans(), label="replicate"):
-            graph.replicate(data.draw(st.sampled_from(graph.nodes()), label="copied"),
+            graph.replicate(data.draw(st.sampled_from(copyable), label="copied"),
                             data.draw(st.integers(1, 3), label="times"))
     rng = data.draw(st.randoms(use_true_random=False), label="devices")
     for op in graph.nodes():
