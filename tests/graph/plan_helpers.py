@@ -66,7 +66,12 @@ def case(name: str) -> Case:
         args = {"batch": gpt_module.make_batch(config, BATCH)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # these models trace without opaque ops
-        graph = trace(module, args)
+        return traced_case(name, module, args)
+
+
+def traced_case(name: str, module: torch.nn.Module, args: dict[str, Any]) -> Case:
+    """Trace ``module`` on ``args`` and run it once for the reference loss and gradients."""
+    graph = trace(module, args)
     expected, grads = _reference(module, args)
     return Case(name, module, args, graph, expected, grads)
 
@@ -79,18 +84,25 @@ def fresh(name: str) -> IRGraph:
 def assert_reproduces(graph: IRGraph, name: str, *, ndevices: int, grads: bool = True) -> None:
     """``graph`` passes check_plan on ``ndevices`` and run_plan reproduces the module's
     output (and parameter gradients) within float32 rtol 1e-5."""
-    c = case(name)
+    assert_case_reproduces(graph, case(name), ndevices=ndevices, grads=grads)
+
+
+def assert_case_reproduces(graph: IRGraph, c: Case, *, ndevices: int, grads: bool = True) -> None:
+    """:func:`assert_reproduces` for any :class:`Case` (see :func:`traced_case`)."""
     check_plan(graph, ndevices)
     c.module.zero_grad(set_to_none=True)
     out = run_plan(graph, c.module, c.args)
     torch.testing.assert_close(out.detach(), c.expected, rtol=1e-5, atol=1e-6)
-    if grads:
-        out.backward()
-        got = {n: p.grad for n, p in c.module.named_parameters() if p.grad is not None}
-        assert got.keys() == c.grads.keys()
-        for n, g in c.grads.items():
-            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
-    c.module.zero_grad(set_to_none=True)
+    try:
+        if grads:
+            out.backward()
+            got = {n: p.grad for n, p in c.module.named_parameters() if p.grad is not None}
+            assert got.keys() == c.grads.keys()
+            for n, g in c.grads.items():
+                torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        c.module.zero_grad(set_to_none=True)
 
 
 # -- reference plans --------------------------------------------------------------------

@@ -6,18 +6,16 @@ or replicated. embedding split by rows runs row_parallel_embedding (value-partia
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from plan_helpers import replicate_rest
+from plan_helpers import Case, assert_case_reproduces, replicate_rest, traced_case
 from torch import nn
 
-from nnscaler.graph import IRGraph, PartitionError, PlanError, check_plan, run_plan
+from nnscaler.graph import IRGraph, PartitionError, PlanError
 from nnscaler.ops.builtin.loss import CLASS_PARALLEL_CE
 from nnscaler.ops.builtin.nn import ROW_PARALLEL_EMBEDDING
-from nnscaler.trace import trace
 
 VOCAB, D, CLASSES, BATCH = 12, 8, 8, 6
 
@@ -36,37 +34,23 @@ class Tiny(nn.Module):
 
 
 @functools.cache
-def _case() -> tuple[Tiny, dict[str, Any], Any, torch.Tensor, dict[str, torch.Tensor]]:
+def _case() -> Case:
     torch.manual_seed(0)
     module = Tiny()
     g = torch.Generator().manual_seed(1)
     args = {"tokens": torch.randint(0, VOCAB, (BATCH,), generator=g),
             "y": torch.randint(0, CLASSES, (BATCH,), generator=g)}
     args["y"][2] = -100  # an ignored target: the mean is over the others
-    graph = trace(module, args)
-    module.zero_grad(set_to_none=True)
-    loss = module(**args)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    module.zero_grad(set_to_none=True)
-    return module, args, graph, loss.detach(), grads
+    return traced_case("tiny", module, args)
 
 
 def _fresh() -> IRGraph:
-    return IRGraph.from_graph(_case()[2])
+    return IRGraph.from_graph(_case().graph)
 
 
 def _assert_reproduces(graph: IRGraph, ndevices: int) -> None:
-    module, args, _, want, grads = _case()
-    check_plan(graph, ndevices)
-    module.zero_grad(set_to_none=True)
-    out = run_plan(graph, module, args)
-    torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-6)
-    out.backward()
-    for n, p in module.named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"{n}: {m}")
-    module.zero_grad(set_to_none=True)
+    """check_plan passes; run_plan gives the loss and every parameter's gradient."""
+    assert_case_reproduces(graph, _case(), ndevices=ndevices)
 
 
 def _class_parallel(graph: IRGraph, num: int, *, rows: bool = False) -> list:

@@ -16,14 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from plan_helpers import replicate_rest
+from plan_helpers import Case, assert_case_reproduces, replicate_rest, traced_case
 from torch import nn
 
 from nnscaler.anno import ValuePartial
-from nnscaler.graph import IRGraph, PartitionError, check_plan, run_plan
+from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ops.builtin.nn import ROW_PARALLEL_EMBEDDING
 from nnscaler.policies import adapters, tp
-from nnscaler.trace import trace
 
 # the policies' test models (as tests/codegen reaches tests/graph)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "policies"))
@@ -51,40 +50,22 @@ class Tiny(nn.Module):
 
 
 @functools.cache
-def _case() -> tuple[Tiny, dict[str, Any], Any, torch.Tensor, dict[str, torch.Tensor]]:
+def _case() -> Case:
     torch.manual_seed(0)
     module = Tiny()
     g = torch.Generator().manual_seed(1)
     args = {"ids": torch.randint(0, VOCAB, (BATCH, POS), generator=g),
             "y": torch.randint(0, CLASSES, (BATCH, POS), generator=g)}
-    graph = trace(module, args)
-    module.zero_grad(set_to_none=True)
-    loss = module(**args)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    module.zero_grad(set_to_none=True)
-    return module, args, graph, loss.detach(), grads
+    return traced_case("tiny", module, args)
 
 
 def _fresh() -> IRGraph:
-    return IRGraph.from_graph(_case()[2])
+    return IRGraph.from_graph(_case().graph)
 
 
 def _assert_reproduces(graph: IRGraph, ndevices: int) -> None:
     """check_plan passes; run_plan gives the loss and every parameter's gradient."""
-    module, args, _, want, grads = _case()
-    check_plan(graph, ndevices)
-    module.zero_grad(set_to_none=True)
-    try:
-        out = run_plan(graph, module, args)
-        torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-6)
-        out.backward()
-        assert {n for n, p in module.named_parameters() if p.grad is not None} == grads.keys()
-        for n, p in module.named_parameters():
-            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=n: f"gradient of {n}: {m}")
-    finally:
-        module.zero_grad(set_to_none=True)
+    assert_case_reproduces(graph, _case(), ndevices=ndevices)
 
 
 def _split(graph: IRGraph, op: Any, **how: Any) -> list:
