@@ -73,6 +73,30 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1,
     return [results[r] for r in range(world)]
 
 
+def training_step(model: Any, opt: torch.optim.Optimizer, batch: Any, *,
+                  end2end: bool = False) -> Callable[[], torch.Tensor]:
+    """A function running one training step and returning its loss: ``zero_grad``,
+    ``model(batch).backward()``, ``step``; with ``end2end``, ``model.train_step([batch])``
+    (a ParallelModule's, which zeroes the gradients first) then ``step``."""
+    if end2end:
+
+        def e2e_step() -> torch.Tensor:
+            loss = model.train_step([batch])[0]
+            opt.step()
+            return loss
+
+        return e2e_step
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, Any]:
     """Run one step of every mode per iteration (alternating which goes first), behind a
     barrier; return this rank's timed seconds per mode and each mode's loss at step 0."""

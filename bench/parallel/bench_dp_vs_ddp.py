@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
-from _launch import compare_modes, launch, time_modes  # noqa: E402
+from _launch import compare_modes, launch, time_modes, training_step  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -59,38 +59,13 @@ def _make_step(mode: str, rank: int, world: int, gen_savedir: str
     batch = make_batch(CONFIG, BATCH, seed=rank)
     if mode == "ddp":
         ddp = DistributedDataParallel(_model(), bucket_cap_mb=25)
-        ddp_opt = torch.optim.Adam(ddp.parameters(), lr=LR)
-
-        def ddp_step() -> torch.Tensor:
-            ddp_opt.zero_grad()
-            loss = ddp(batch)
-            loss.backward()
-            ddp_opt.step()
-            return loss
-
-        return ddp_step
+        return training_step(ddp, torch.optim.Adam(ddp.parameters(), lr=LR), batch)
     cfg = ComputeConfig(plan_ngpus=1, runtime_ngpus=world, use_end2end=mode == "dp_e2e",
                         use_async_reducer=mode == "dp_async")
     pm = parallelize(_model(), {"batch": batch}, "dp", cfg, gen_savedir=gen_savedir,
                      instance_name=mode)
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    if mode == "dp_e2e":
-
-        def e2e_step() -> torch.Tensor:
-            loss = pm.train_step([batch])[0]  # zeroes the gradients first
-            opt.step()
-            return loss
-
-        return e2e_step
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = pm(batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(pm, opt, batch, end2end=mode == "dp_e2e")
 
 
 def _run(rank: int, world: int, steps: int, warmup: int, gen_savedir: str

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
-from _launch import compare_modes, launch, time_modes  # noqa: E402
+from _launch import compare_modes, launch, time_modes, training_step  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -101,37 +101,12 @@ def _make_step(mode: str, world: int, gen_savedir: str) -> Callable[[], torch.Te
     batch = make_batch(CONFIG, BATCH, seed=0)  # one scale unit: the same batch everywhere
     if mode == "dtensor":
         model = dtensor_model(world)
-        dt_opt = torch.optim.Adam(model.parameters(), lr=LR)
-
-        def dt_step() -> torch.Tensor:
-            dt_opt.zero_grad()
-            loss = model(batch)
-            loss.backward()
-            dt_opt.step()
-            return loss
-
-        return dt_step
+        return training_step(model, torch.optim.Adam(model.parameters(), lr=LR), batch)
     cfg = ComputeConfig(plan_ngpus=world, runtime_ngpus=world, use_end2end=mode == "tp_e2e")
     pm = parallelize(_model(), {"batch": batch}, "tp", cfg, gen_savedir=gen_savedir,
                      instance_name=mode)
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    if mode == "tp_e2e":
-
-        def e2e_step() -> torch.Tensor:
-            loss = pm.train_step([batch])[0]
-            opt.step()
-            return loss
-
-        return e2e_step
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = pm(batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(pm, opt, batch, end2end=mode == "tp_e2e")
 
 
 def _run(rank: int, world: int, steps: int, warmup: int, gen_savedir: str

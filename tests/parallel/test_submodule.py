@@ -7,32 +7,10 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from dist_utils import run_distributed
-from torch import nn
+from submodule_models import Heavy, Parent
 
 from .common import ADAM, check_pieces
-
-
-class Heavy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 32)
-        self.proj = nn.Linear(32, 8, bias=False)
-
-    def forward(self, x):
-        return x + self.proj(F.gelu(self.fc(x)))
-
-
-class Parent(nn.Module):
-    def __init__(self, heavy: nn.Module) -> None:
-        super().__init__()
-        self.pre = nn.Linear(8, 8)
-        self.heavy = heavy
-        self.post = nn.Linear(8, 4)
-
-    def forward(self, x, y):
-        return F.cross_entropy(self.post(self.heavy(torch.tanh(self.pre(x)))), y)
 
 
 def _data(steps: int, units: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
