@@ -23,9 +23,11 @@ from nnscaler.parallel import (
     BroadcastGenFilesStrategy,
     ComputeConfig,
     ReuseType,
+    VerifyReport,
     broadcast_weights,
     build_optimizer,
     parallelize,
+    verify,
 )
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.runtime.module import ParallelModule
@@ -44,6 +46,7 @@ __all__ = [
     "ReuseType",
     "TransformRule",
     "UnknownNameError",
+    "VerifyReport",
     "__version__",
     "broadcast_weights",
     "build_optimizer",
@@ -55,5 +58,6 @@ __all__ = [
     "merge_state_dicts",
     "parallelize",
     "register_op",
+    "verify",
 ]
 

@@ -5,7 +5,8 @@
   ``gencode{rank}.py`` files under ``gen_savedir``;
 - :func:`build_optimizer`: an optimizer patched to sync gradients, gather ZeRO shards,
   scale and clip gradients;
-- :func:`broadcast_weights`: initial weights from the ranks that have them.
+- :func:`broadcast_weights`: initial weights from the ranks that have them;
+- :func:`verify`: the plan against the single-device model, op by op.
 
 See ``docs/parallelize.md``.
 """
@@ -22,6 +23,7 @@ from nnscaler.parallel.config import (
 )
 from nnscaler.parallel.files import GenFilesError
 from nnscaler.parallel.optimizer import OptimizerError, build_optimizer
+from nnscaler.parallel.verification import Difference, VerifyError, VerifyReport, verify
 from nnscaler.runtime.module import ParallelModule
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "BroadcastGenFilesStrategy",
     "ComputeConfig",
     "ComputeConfigError",
+    "Difference",
     "GenFilesError",
     "OptimizerError",
     "ParallelModule",
@@ -37,6 +40,9 @@ __all__ = [
     "ReuseType",
     "broadcast_weights",
     "build_optimizer",
+    "VerifyError",
+    "VerifyReport",
     "parallelize",
+    "verify",
 ]
 
