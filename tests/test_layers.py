@@ -12,7 +12,6 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -20,6 +19,11 @@ import grimp
 import pytest
 
 import nnscaler
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport import-linter depends on there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
