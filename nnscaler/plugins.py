@@ -172,7 +172,7 @@ class NNScalerPluginManager:
         for hook_name, attr in REGISTRY_HOOKS.items():
             registry: Registry = getattr(self, attr)
             hook = getattr(self.pm.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            for impl in hook.get_hookimpls():  # registration order: built-ins first
                 with registry.registering_as(impl.plugin_name):
                     try:
                         impl.function(**{a: registry for a in impl.argnames})
