@@ -29,7 +29,8 @@ def site(tmp_path_factory) -> Path:
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
                            str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
-    problems = [line for line in done.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    problems = [line for line in done.stderr.splitlines()
+                if "WARNING" in line or "ERROR" in line or line.startswith("  - ")]
     hint = ("\n(a new page under docs/ needs one line in mkdocs.yml's nav)"
             if any("not included in the \"nav\"" in p for p in problems) else "")
     assert done.returncode == 0, "\n".join(problems or done.stderr.splitlines()[-20:]) + hint

@@ -1,2 +1,8 @@
-"""The operator registry, ``register_op`` and the built-in annotations of torch functions
-(:mod:`nnscaler.ops.builtin`, by family)."""
+"""Operators: the op registry, ``register_op``, the built-in annotations of torch functions
+(:mod:`nnscaler.ops.builtin`, a plugin like any other) and the promise check of a
+registered op against its annotation (:mod:`nnscaler.ops.verify`).
+"""
+
+from nnscaler.ops.registry import OpDef, OpRegistry, register_op
+
+__all__ = ["OpDef", "OpRegistry", "register_op"]
