@@ -212,18 +212,19 @@ def _reference(graph: Any, state: Mapping[str, torch.Tensor], args: Mapping[str,
                              pytree.tree_map(value_of, dict(op.kwargs)))
             for before, after in op.mutations:
                 env[after.full] = env[before.full]
-                values[after.full] = env[before.full].detach().clone()
+                values[after.full] = env[before.full].detach().to("cpu", copy=True)
             for ir, value in zip(op.outputs, pytree.tree_leaves(result), strict=True):
                 if isinstance(ir, SubTensor) and isinstance(value, torch.Tensor):
                     env[ir.full] = value
-                    values[ir.full] = value.detach().clone()
+                    values[ir.full] = value.detach().to("cpu", copy=True)
                     if value.requires_grad and not value.is_leaf:
                         value.retain_grad()
                         live[ir.full] = value
     finally:
         torch.set_grad_enabled(grad_on)
     _backward(pytree.tree_map(value_of, graph.outputs), end2end)
-    grads = {full: t.grad.detach().clone() for full, t in live.items() if t.grad is not None}
+    grads = {full: t.grad.detach().to("cpu", copy=True) for full, t in live.items()
+             if t.grad is not None}
     return values, grads
 
 
