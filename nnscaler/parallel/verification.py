@@ -69,7 +69,8 @@ class VerifyError(NNScalerError, RuntimeError):
 class Difference:
     """The first place where the parallel program and the reference disagree."""
 
-    #: ``"output"`` (forward value) or ``"gradient"`` (the gradient reaching a tensor)
+    #: ``"output"`` (forward value), ``"gradient"`` (the gradient reaching a tensor) or
+    #: ``"parameter gradient"`` (after the reducers; ``tensor`` is the parameter's name)
     kind: str
     #: the op's name (``torch.nn.functional.linear``, ``mylib.row_norm``)
     op: str
@@ -100,10 +101,14 @@ class Difference:
     got: float
 
     def __str__(self) -> str:
-        what = ("the output" if self.kind == "output"
-                else "the gradient reaching output") + f" {self.output_index} ({self.tensor})"
+        if self.kind == "parameter gradient":
+            what = f"the gradient of parameter {self.tensor}, read by"
+        else:
+            what = ("the output" if self.kind == "output"
+                    else "the gradient reaching output") + f" {self.output_index} ({self.tensor})"
+            what += " of"
         lines = [
-            f"first difference: {what} of op {self.op}",
+            f"first difference: {what} op {self.op}",
             f"  at {self.source}  {self.code}".rstrip(),
             f"  in module {self.module_path or '<root>'}",
         ]
@@ -131,6 +136,8 @@ class VerifyReport:
     #: op outputs and gradients compared (pieces, over every rank and micro-batch)
     compared_outputs: int
     compared_gradients: int
+    #: parameter pieces whose gradients were compared after the reducers (none with ZeRO)
+    compared_parameter_gradients: int
     #: op outputs with a reference value that no generated variable held (not compared)
     unrecorded: tuple[str, ...]
     rtol: float
@@ -140,8 +147,9 @@ class VerifyReport:
     def __str__(self) -> str:
         head = (f"nnscaler verify: policy {self.policy!r}, plan_ngpus={self.plan_ngpus}, "
                 f"runtime_ngpus={self.runtime_ngpus}: ")
-        counts = (f"{self.compared_outputs} op output pieces and {self.compared_gradients} "
-                  f"gradient pieces compared (rtol={self.rtol:g}, atol={self.atol:g}, "
+        counts = (f"{self.compared_outputs} op output pieces, {self.compared_gradients} "
+                  f"gradient pieces and {self.compared_parameter_gradients} parameter "
+                  f"gradients compared (rtol={self.rtol:g}, atol={self.atol:g}, "
                   f"{self.seconds:.1f} s)")
         if self.unrecorded:
             counts += (f"; {len(self.unrecorded)} op outputs not held in a variable of the "
@@ -188,9 +196,11 @@ def _backward(out: Any, end2end: bool) -> None:
 
 
 def _reference(graph: Any, state: Mapping[str, torch.Tensor], args: Mapping[str, Any],
-               end2end: bool) -> tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor]]:
-    """Every op output of the traced ``graph`` run on one device, and the gradient that
-    reached it (``run_graph``'s loop, keeping what it computes)."""
+               end2end: bool) -> tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor],
+                                       dict[str, torch.Tensor]]:
+    """Every op output of the traced ``graph`` run on one device, the gradient that
+    reached it (``run_graph``'s loop, keeping what it computes), and every parameter's
+    gradient by name."""
     from nnscaler.ir import CURRENT_DEVICE, SubTensor, default_device, leaf_values
 
     params = {n: _fresh(t) for n, t in state.items()}
@@ -225,7 +235,9 @@ def _reference(graph: Any, state: Mapping[str, torch.Tensor], args: Mapping[str,
     _backward(pytree.tree_map(value_of, graph.outputs), end2end)
     grads = {full: t.grad.detach().to("cpu", copy=True) for full, t in live.items()
              if t.grad is not None}
-    return values, grads
+    param_grads = {n: t.grad.detach().to("cpu", copy=True) for n, t in params.items()
+                   if isinstance(t, torch.Tensor) and t.grad is not None}
+    return values, grads, param_grads
 
 
 # -- the parallel run: recording the generated code's variables --------------------------
@@ -294,9 +306,11 @@ def _to(tree: Any, device: torch.device) -> Any:
 
 
 def _run_rank(outdir: str, rank: int, args: Mapping[str, Any], end2end: bool,
-              nmicros: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]]:
+              nmicros: int, zero: bool) -> dict[str, Any]:
     """Load rank ``rank``'s generated module, run one forward and backward while
-    recording, and return the records."""
+    recording; return the records (``vars``) and, but under ZeRO (where they live in
+    the optimizer's shards), the gradients of its parameter pieces after the reducers
+    (``params``: attribute -> (its :class:`~nnscaler.runtime.module.AttrMeta`, gradient))."""
     from nnscaler.codegen.files import gencode_name, load_generated_class
 
     cls = load_generated_class(outdir, rank)
@@ -320,7 +334,14 @@ def _run_rank(outdir: str, rank: int, args: Mapping[str, Any], end2end: bool,
             _backward(out, end2end=False)
     finally:
         sys.settrace(previous)
-    return recorder.result()
+    params: dict[str, Any] = {}
+    if not zero:
+        model.sync_grad()
+        for attr, p in model.named_parameters():
+            meta = model.fullmap.get(attr)
+            if meta is not None and p.grad is not None:
+                params[attr] = (meta, p.grad.detach().to("cpu", copy=True))
+    return {"vars": recorder.result(), "params": params}
 
 
 def _free_port() -> int:
@@ -339,12 +360,13 @@ def _worker(fn: Callable[[int], Any], rank: int, world: int, port: int, outdir: 
         result: tuple[str, Any] = ("ok", fn(rank))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     path = os.path.join(outdir, f"rank{rank}.pt")
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)
+    if result[0] == "error":  # the parent stops the other ranks, which may wait forever
+        open(os.path.join(outdir, f"rank{rank}.failed"), "w").close()  # noqa: SIM115
+    if dist.is_initialized():
+        dist.destroy_process_group()
     os._exit(0)  # a forked child: skip the parent's atexit handlers and finalisers
 
 
@@ -358,14 +380,21 @@ def _spawn(fn: Callable[[int], Any], world: int, timeout: float) -> list[Any]:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(os.path.exists(os.path.join(outdir, f"rank{r}.failed")) or
+                   (p.exitcode is not None and p.exitcode != 0) for r, p in enumerate(procs)):
+                time.sleep(0.5)  # a rank failed: the others may wait for it forever
+                break
+            time.sleep(0.02)
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+        marks = {r: os.path.join(outdir, f"rank{r}.failed") for r in range(world)}
+        failed = sorted((r for r in range(world) if os.path.exists(marks[r])),
+                        key=lambda r: os.stat(marks[r]).st_mtime_ns)  # the first to fail
         results = []
-        for r in range(world):
+        for r in failed + [r for r in range(world) if r not in failed]:  # a failure first
             path = os.path.join(outdir, f"rank{r}.pt")
             if not os.path.exists(path):
                 raise VerifyError(f"verify: rank {r} died or ran past {timeout:.0f} s (exit code "
@@ -374,8 +403,8 @@ def _spawn(fn: Callable[[int], Any], world: int, timeout: float) -> list[Any]:
             status, value = torch.load(path, weights_only=False)
             if status == "error":
                 raise VerifyError(f"verify: rank {r} failed running the parallel plan:\n{value}")
-            results.append(value)
-        return results
+            results.append((r, value))
+        return [value for _, value in sorted(results, key=lambda x: x[0])]
 
 
 # -- the comparison -----------------------------------------------------------------------
@@ -413,18 +442,21 @@ class _Compare:
     """Pieces recorded on every rank against the reference, in program order."""
 
     def __init__(self, program: Any, records: list[dict], ref_values: dict, ref_grads: dict,
-                 nmicros: int, rtol: float, atol: float) -> None:
+                 ref_params: dict, nmicros: int, rtol: float, atol: float) -> None:
         from nnscaler.graph.check import written_by
 
         self.p = program
         self.g = program.graph
-        self.records = records
+        self.records = [r["vars"] for r in records]
+        self.params = [r["params"] for r in records]
+        self.ref_params = ref_params
         self.ref_values = ref_values
         self.ref_grads = ref_grads
         self.nmicros = nmicros
         self.rtol, self.atol = rtol, atol
         self.outputs = 0
         self.gradients = 0
+        self.parameter_gradients = 0
         self.unrecorded: set[str] = set()  # op outputs no rank's variables held
         self.mutated = {t.full for op in self.g.ops for pair in op.mutations for t in pair}
         # full tensor -> every written piece: (device, piece, value key)
@@ -574,6 +606,40 @@ class _Compare:
                                             value, want)
         return None
 
+    def parameters(self) -> Difference | None:
+        """Every rank's parameter pieces' gradients after the reducers: the reference
+        gradient times the number of samples behind them (every scale unit and
+        micro-batch ran the same sample), in the order the ops read the parameters."""
+        times = self.p.nunits * self.nmicros
+        readers: dict[str, tuple[Any, Any]] = {}  # parameter name -> (first reader, full)
+        for step in self.p.steps:
+            for t in step.origin.input_tensors():
+                if t.full.kind.value == "parameter":
+                    for name in t.full.names:
+                        readers.setdefault(name, (step.origin, t.full))
+        found = []
+        for rank, pieces in enumerate(self.params):
+            for meta, grad in pieces.values():
+                name = next((n for n in (meta.orig_name, *meta.names) if n in self.ref_params),
+                            None)
+                if name is None or meta.value[1] > 1 or name not in readers:
+                    continue
+                found.append((rank, meta, name, grad))
+        order = {name: k for k, name in enumerate(readers)}
+        for rank, meta, name, grad in sorted(found, key=lambda f: (order[f[2]], f[0])):
+            op, full = readers[name]
+            want = self.ref_params[name][meta.slicers] * times
+            piece = attrs.evolve(full.whole(), indmap=meta.index)
+            self.parameter_gradients += 1
+            if not self._close(_reshape(grad, piece.shape), want):
+                diff = self._difference("parameter gradient", op, 0, full, piece, rank, 0,
+                                        _reshape(grad, piece.shape), want)
+                return attrs.evolve(diff, tensor=name, parallel_layout=tuple(
+                    f"rank {r}: {_ranges_str(m.index, tuple(m.shape))}"
+                    for r, ps in enumerate(self.params) for m, _ in ps.values()
+                    if name in (m.orig_name, *m.names)))
+        return None
+
 
 # -- the entry point ----------------------------------------------------------------------
 
@@ -655,7 +721,8 @@ def verify(
         end2end=config.use_end2end, inference_only=False, compute_config=config,
         forward_signature=inspect.signature(module.forward))
     nmicros = program.pipeline.settings.nmicros if program.pipeline is not None else 1
-    ref_values, ref_grads = _reference(graph, state, dummy_forward_args, config.use_end2end)
+    ref_values, ref_grads, ref_params = _reference(graph, state, dummy_forward_args,
+                                                   config.use_end2end)
 
     in_group = dist.is_available() and dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as outdir:
@@ -664,7 +731,8 @@ def verify(
                    end2end=config.use_end2end, compute_config=config, program=program)
 
         def run(rank: int) -> Any:
-            return _run_rank(outdir, rank, dummy_forward_args, config.use_end2end, nmicros)
+            return _run_rank(outdir, rank, dummy_forward_args, config.use_end2end, nmicros,
+                             config.use_zero)
 
         if in_group:
             if dist.get_world_size() != config.runtime_ngpus:
@@ -678,14 +746,13 @@ def verify(
             dist.all_gather_object(records, mine)
         else:
             records = _spawn(run, config.runtime_ngpus, timeout)
-    compare = _Compare(program, records, ref_values, ref_grads, nmicros, rtol, atol)
-    first = compare.forward()
-    if first is None:
-        first = compare.backward()
+    compare = _Compare(program, records, ref_values, ref_grads, ref_params, nmicros, rtol, atol)
+    first = compare.forward() or compare.backward() or compare.parameters()
     return VerifyReport(
         equal=first is None, first=first, policy=_policy_name(pas_policy),
         plan_ngpus=config.plan_ngpus, runtime_ngpus=config.runtime_ngpus,
         compared_outputs=compare.outputs, compared_gradients=compare.gradients,
+        compared_parameter_gradients=compare.parameter_gradients,
         unrecorded=tuple(sorted(compare.unrecorded)),
         rtol=rtol, atol=atol, seconds=time.perf_counter() - start)
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,28 @@ def test_a_wrong_backward_is_found_in_backward_order():
     assert any(c.startswith("verify_models.odd_backward at ") and c.endswith(f":{line}")
                for c in first.consumers), first.consumers
     assert "sent back by the backward of: verify_models.odd_backward" in str(report)
+
+
+def test_a_wrong_weight_gradient_is_found_after_the_reducers():
+    torch.manual_seed(0)
+    report = nnscaler.verify(Regressor("scale"), {"batch": regressor_batch()}, "data",
+                             config("data"))
+    assert not report.equal
+    first = report.first
+    assert first.kind == "parameter gradient" and first.tensor == "scale"
+    assert first.op == "verify_models.scale"
+    assert first.source.endswith(f"verify_models.py:{line_of('scale(h, self.scale)', Regressor)}")
+    assert report.compared_outputs and report.compared_gradients  # those were all equal
+    assert "the gradient of parameter scale, read by op verify_models.scale" in str(report)
+
+
+def test_a_failing_rank_ends_the_run_with_its_traceback():
+    start = time.perf_counter()
+    with pytest.raises(VerifyError, match="rank 1 failed running the parallel plan") as e:
+        nnscaler.verify(Regressor("fails_on_rank_1"), {"batch": regressor_batch()}, "data",
+                        config("data"), timeout=120)
+    assert "fails here on purpose" in str(e.value)
+    assert time.perf_counter() - start < 60  # rank 0, waiting for rank 1, was stopped
 
 
 def _verify_in_group(rank: int, world: int) -> str:
