@@ -19,8 +19,10 @@ import os
 import textwrap
 from typing import Any
 
+import attrs
 import torch.utils._pytree as pytree
 
+from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.layouts import shifted
@@ -92,6 +94,8 @@ class _Rank:
         self.pipe = p.pipeline
         self.group = self.pipe.group_of(self.device) if self.pipe is not None else None
         self.received: set[str] = set()  # variables a stage receives (pipelines)
+        self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
+        self.methods: list[list[str]] = []  # the methods the pieces call
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -195,35 +199,82 @@ class _Rank:
             out_lines += self.adapter_lines(spec)
         prologue = self.prologue()
         out_lines.append(f"return {self.returned()}")
-        return list(prologue) + _render(blocks) + out_lines
+        body = list(prologue) + _render(blocks) + out_lines
+        return self.with_recompute(body, [name for name, _ in self.p.args])
 
-    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool, list[str]]]:
+    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool | None, list[str]]]:
         """This device's lines of ``steps``: blocks of lines, each with or without
-        gradients."""
-        blocks: list[tuple[bool, list[str]]] = []  # (no_grad, lines)
+        gradients; a block ``(None, [marker])`` opens or closes a piece of a recompute
+        group (:mod:`nnscaler.codegen.recompute`), which adapters cut."""
+        blocks: list[tuple[bool | None, list[str]]] = []  # (no_grad, lines)
+        open_: list[int] = []  # the key of the open piece, if any
 
-        def add(no_grad: bool, lines: list[str]) -> None:
+        def add(no_grad: bool | None, lines: list[str]) -> None:
             if not lines:
                 return
-            if blocks and blocks[-1][0] == no_grad:
+            if no_grad is not None and blocks and blocks[-1][0] == no_grad:
                 blocks[-1][1].extend(lines)
             else:
                 blocks.append((no_grad, list(lines)))
 
+        def close() -> None:
+            if open_:
+                add(None, [recompute.END])
+                open_.clear()
+
         last_comment = ""
         for step in steps:
-            lines: list[str] = []
+            adapter_lines: list[str] = []
             for spec in step.adapters:
-                lines += self.adapter_lines(spec)
+                adapter_lines += self.adapter_lines(spec)
             op = step.instances.get(self.device)
-            if op is not None:
-                note = self.comment(op)
-                if note != last_comment:
-                    lines.append(note)
-                    last_comment = note
-                lines += self.op_lines(step, op)
+            group = op.plan.recompute if op is not None else None
+            if adapter_lines:  # adapters run once, outside any recompute piece
+                close()
+                add(step.no_grad, adapter_lines)
+            if op is None:
+                continue
+            if open_ and self.segments[open_[0]].group != group:
+                close()
+            if group is not None and not open_:
+                key = len(self.segments)
+                self.segments[key] = recompute.Segment(group)
+                open_.append(key)
+                add(None, [f"{recompute.BEGIN}{key}>"])
+            lines: list[str] = []
+            note = self.comment(op)
+            if note != last_comment:
+                lines.append(note)
+                last_comment = note
+            lines += self.op_lines(step, op)
+            if open_ and op.mutations:
+                seg = self.segments[open_[0]]
+                changed = tuple((self.mutated_var(step, before.full), self.p.graph.describe(op))
+                                for before, _ in op.mutations)
+                self.segments[open_[0]] = attrs.evolve(seg, inplace=seg.inplace + changed)
             add(step.no_grad, lines)
+        close()
         return blocks
+
+    def mutated_var(self, step: OpStep, full: FullTensor) -> str:
+        """The variable an op step reads ``full`` from (what an in-place op changes)."""
+        for k, r in enumerate(step.reads):
+            if r.full is full:
+                return self.read_var(step, k) or ""
+        leaf = self.p.leaves.get(full)
+        if leaf is not None and full.kind is not TensorKind.INPUT:
+            return ""  # a parameter or buffer: not an input of the piece
+        return self.source_var(full)
+
+    def with_recompute(self, body: list[str], params: list[str]) -> list[str]:
+        """``body`` with its recompute pieces turned into checkpointed calls; the methods
+        they call are kept for the class (``self.methods``)."""
+        new, methods = recompute.extract(body, params, self.segments,
+                                         enabled=not self.p.inference_only)
+        if any("torch.utils.checkpoint.checkpoint(" in line for line in new):
+            self.imports.add("torch.utils.checkpoint")
+        self.methods += methods
+        return new
 
     def prologue(self) -> list[str]:
         lines = []
@@ -326,6 +377,7 @@ class _Rank:
             tail.append(f"return {self.stage_returned(stage, sent)}")
         body = self.prologue() + self.clones(stage, received) + _render(blocks) + tail
         args = [self.p.args[0][0], *(self.p.variables[f] for f in received)]
+        body = self.with_recompute(body, args)
         nstages = len(pipe.stages)
         what = []
         if received:
@@ -515,6 +567,8 @@ class _Rank:
                 if stage.group == self.group:
                     methods += ["", *self.stage_method(stage)] if methods else \
                         self.stage_method(stage)
+        for extra in self.methods:  # the pieces of recompute groups
+            methods += ["", *extra]
         init = self.init_lines()
         where = ""
         if pipe is not None:
@@ -579,10 +633,12 @@ def _version() -> str:
     return __version__
 
 
-def _render(blocks: list[tuple[bool, list[str]]]) -> list[str]:
+def _render(blocks: list[tuple[bool | None, list[str]]]) -> list[str]:
     body: list[str] = []
     for no_grad, lines in blocks:
-        if no_grad:
+        if no_grad is None:  # a recompute marker
+            body += lines
+        elif no_grad:
             body.append("with torch.no_grad():")
             body += [_INDENT + line for line in lines]
         else:

@@ -41,6 +41,7 @@ from nnscaler.codegen.pipeline import (
     map_layout,
     pipeline_settings,
 )
+from nnscaler.codegen.recompute import check_groups as check_recompute_groups
 from nnscaler.graph import IRGraph, check_plan
 from nnscaler.graph.check import written_by
 from nnscaler.graph.graph import as_irgraph
@@ -348,6 +349,7 @@ def build_program(
         _check_pipeline_args(g, args)
     builder.name_inputs()
     steps = [builder.step(origin, insts, pos) for pos, (origin, insts) in enumerate(builder.runs)]
+    check_recompute_groups(g, steps, g.describe)
     outputs, output_adapters = builder.outputs()
     builder.name_held()
     if pipe is not None:
