@@ -6,6 +6,7 @@ the model wrote, adds each row-parallel bias on the first part with no adapter, 
 from __future__ import annotations
 
 import ast
+import keyword
 
 import hypothesis.strategies as st
 import pytest
@@ -90,7 +91,8 @@ def test_header_says_what_produced_the_file(tp_files):
     assert "Regenerate: call nnscaler.parallelize" in text
 
 
-_names = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
+_names = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True).filter(
+    lambda name: not keyword.iskeyword(name) and not keyword.issoftkeyword(name))
 _atoms = st.one_of(_names, st.integers(-10**6, 10**6).map(str),
                    st.text("ab,()[] ", max_size=12).map(repr))
 
@@ -129,3 +131,22 @@ def test_wrapping_leaves_strings_and_short_lines_alone():
     wrapped = wrap_lines([comment])
     assert len(wrapped) > 1 and all(len(x) <= WIDTH for x in wrapped)
     assert unwrap("\n".join(wrapped)) == comment
+
+
+def test_every_op_function_of_nnscalers_own_is_public():
+    """Generated code calls nnscaler's own op implementations through
+    nnscaler.runtime.ops: every such registered function must be there."""
+    import nnscaler.runtime.ops
+    from nnscaler.codegen.calls import _public
+    from nnscaler.plugins import get_plugin_manager
+
+    ops = get_plugin_manager().ops
+    internal = [ops.get(name).fn for name in ops.names()
+                if (getattr(ops.get(name).fn, "__module__", "") or "").startswith(
+                    "nnscaler.ops.")]
+    assert internal
+    for fn in internal:
+        if fn.__name__ in ("cat", "stack", "hstack", "vstack", "setitem"):
+            continue  # spelled as torch.cat(...) / t[...] = v, never by their module
+        assert _public(fn) is not None, fn
+        assert getattr(nnscaler.runtime.ops, fn.__name__) is fn
