@@ -628,9 +628,14 @@ class _Rank:
 
 
 def _version() -> str:
-    from nnscaler import __version__
+    """The installed distribution's version (the facade ``nnscaler.__version__`` sits
+    above this layer)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("nnscaler")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _render(blocks: list[tuple[bool | None, list[str]]]) -> list[str]:
