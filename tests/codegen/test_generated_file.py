@@ -150,3 +150,18 @@ def test_every_op_function_of_nnscalers_own_is_public():
             continue  # spelled as torch.cat(...) / t[...] = v, never by their module
         assert _public(fn) is not None, fn
         assert getattr(nnscaler.runtime.ops, fn.__name__) is fn
+
+
+def test_row_parallel_bias_parity_with_zero_and_async_reducer(tmp_path):
+    """The bias held on part 0 only (no gradient anywhere else) keeps parity through the
+    async reducer and ZeRO, on tp x 2 scale units (its holders: part 0 of each unit)."""
+    from codegen_helpers import run_parity
+    from plan_helpers import fresh, megatron_mlp
+
+    config = {"use_zero": True, "zero_ngroups": 1, "use_async_reducer": True,
+              "reducer_bucket_cap_mb": 0.0005}
+    results = run_parity(tmp_path, "gpt", megatron_mlp(fresh("gpt"), 2), plan_ngpus=2,
+                         runtime_ngpus=4, compute_config=config)
+    holders = {name: meta.holders for name, meta in results[0]["fullmap"].items()}
+    assert holders["gpt_blocks_0_mlp_proj_bias"] == (0, 2)
+    assert "gpt_blocks_0_mlp_proj_bias" not in results[1]["fullmap"]
