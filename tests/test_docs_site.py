@@ -66,3 +66,5 @@ def test_every_page_under_docs_is_in_the_site(site):
         built = site / page.with_suffix("") / "index.html" if page.name != "index.md" \
             else site / page.parent / "index.html"
         assert built.is_file(), page
+        # every fence was parsed as one (a ```python no-run fence too, scripts/mkdocs_hooks.py)
+        assert "<p>```" not in built.read_text(), f"{page}: a code fence rendered as text"
