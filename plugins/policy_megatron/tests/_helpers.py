@@ -101,8 +101,9 @@ def parity_worker(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
     """Train every ``(kind, megatron sizes)`` case of ``cases`` with the ``megatron``
     policy on this process group and compare losses and weights with one process
     (rtol 1e-5). Returns the case ids checked."""
-    from nnscaler import build_optimizer, parallelize
     from nnscaler_policy_megatron import megatron_compute_config
+
+    from nnscaler import build_optimizer, parallelize
 
     warnings.simplefilter("ignore")
     done = []

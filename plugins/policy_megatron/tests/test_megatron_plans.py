@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _helpers import make_batch, make_model
+from nnscaler_policy_megatron import MegatronConfigError, megatron_compute_config, plan
 
 from nnscaler.graph import IRGraph, run_plan
 from nnscaler.trace import trace
-from nnscaler_policy_megatron import MegatronConfigError, megatron_compute_config, plan
 
 pytest.importorskip("transformers")
 
