@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch.utils._pytree as pytree
 
-from nnscaler.anno import AnnotationError, Layout, Split, Transform, ValuePartial
+from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
 from nnscaler.graph.errors import PartitionError, PlanError, StagingError
 from nnscaler.ir import FullTensor, Graph, Op, OpPlan, SubTensor, tensors_in
 
@@ -320,7 +320,7 @@ class IRGraph(Graph):
     def _part(self, op: Op, t: Transform, part: int) -> Op:
         """Part ``part`` of ``op`` split by ``t``: its pieces, keyword arguments, annotation."""
 
-        def piece(sub: SubTensor, layout: Layout | None) -> SubTensor:
+        def piece(sub: SubTensor, layout: Placement | None) -> SubTensor:
             if isinstance(layout, Split):
                 return sub.split(layout.dim, t.num)[part]
             if isinstance(layout, ValuePartial):
