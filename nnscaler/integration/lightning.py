@@ -248,8 +248,10 @@ class NnScalerStrategy(DDPStrategy):
                     f"{type(opt).__name__} has {len(opt.param_groups)}. Return an optimizer "
                     f"over self.parameters() with one set of hyperparameters"
                 )
+            # the group's hyperparameters that the optimizer's constructor takes
+            accepted = inspect.signature(type(opt)).parameters
             group = {k: v for k, v in opt.param_groups[0].items()
-                     if k not in ("params", "initial_lr", "param_names")}
+                     if k in accepted and k != "params"}
             new = build_optimizer(self.lightning_module, type(opt), **group)
             _closure_first(new)
             if self.average_gradients and self.units > 1:
