@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--out", default=str(HERE / "runs"))
+    parser.add_argument("--out", default="runs/nanogpt_lightning")
     args = parser.parse_args(argv)
 
     devices = 2
