@@ -8,7 +8,10 @@ parallelism, each pair interleaved in the same processes.
 - ``dtensor``: that script's baseline (``ColwiseParallel`` q/k/v/fc, ``RowwiseParallel``
   o_proj/proj on every block; embeddings, norms, LM head replicated);
 - ``megatron``: ``parallelize(..., 'megatron', tensor_model_parallel_size=2)``;
-- ``megatron_sp``: the same with ``sequence_parallel=True``.
+- ``dtensor_sp``: the same with ``SequenceParallel`` on the norms, the row linears'
+  outputs reduce-scattered to sequence shards and the attention/MLP inputs all-gathered
+  (``PrepareModuleInput``);
+- ``megatron_sp``: ``megatron`` with ``sequence_parallel=True``, compared to ``dtensor_sp``.
 
 ``--part pp``: the GPT and micro-batches of ``bench/pipeline/bench_pp_vs_torch.py``
 (1F1B, 4 micro-batches), modes ``torch`` (``torch.distributed.pipelining``'s
@@ -56,10 +59,52 @@ TP_TARGET, PP_TARGET = 0.9, 1.0
 PP_SPLIT = 2  # megatron: 4 layers in 2 stages of 2
 
 
+def dtensor_sp_model(world: int) -> Any:
+    """The DTensor baseline with sequence parallelism: ``SequenceParallel`` on the block
+    norms, the attention and MLP inputs all-gathered (``PrepareModuleInput``), the row
+    linears reduce-scattered to sequence shards (``RowwiseParallel(output_layouts=
+    Shard(1))``); the residual stream between blocks holds sequence shards, cut before
+    the first block and gathered before the final norm."""
+    import types
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    model = tpb._model()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                  use_local_output=True)
+    plan = {
+        "ln_1": SequenceParallel(), "attn": PrepareModuleInput(**gather),
+        "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_2": SequenceParallel(), "mlp": PrepareModuleInput(**gather),
+        "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    blocks = model.gpt.blocks
+    for block in blocks:
+        parallelize_module(block, mesh, plan)
+        block.attn.n_head = tpb.CONFIG.n_head // world
+        block.attn.forward = types.MethodType(tpb._sharded_attention_forward, block.attn)
+    parallelize_module(blocks[0], mesh, PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(model.gpt.ln_f, mesh, PrepareModuleInput(**gather))
+    return model
+
+
 def _tp_run(rank: int, world: int, steps: int, warmup: int, gen: str) -> dict[str, Any]:
     batch = make_batch(tpb.CONFIG, tpb.BATCH, seed=0)
     dt = tpb.dtensor_model(world)
     fns = {"dtensor": training_step(dt, torch.optim.Adam(dt.parameters(), lr=tpb.LR), batch)}
+    dsp = dtensor_sp_model(world)
+    fns["dtensor_sp"] = training_step(dsp, torch.optim.Adam(dsp.parameters(), lr=tpb.LR), batch)
     for mode, sp in (("megatron", False), ("megatron_sp", True)):
         cfg = megatron_compute_config(tensor_model_parallel_size=world, sequence_parallel=sp)
         pm = parallelize(tpb._model(), {"batch": batch}, "megatron", cfg, gen_savedir=gen,
@@ -130,9 +175,12 @@ def main() -> None:
                       f"{v['ratio_vs_dtensor']:.3f} (medians {v['ratio_of_medians']:.3f}) | "
                       f"loss@0 {', '.join(f'{x:.6f}' for x in losses[m])}")
             print(f"single-process loss at step 0 {ref:.6f}; all within rtol 1e-5: {same}")
-            for m in ("megatron", "megatron_sp"):
-                r = summary[m]["ratio_vs_dtensor"]
-                print(f"{m} / dtensor = {r:.3f} (target <= {TP_TARGET}): "
+            for m, base in (("megatron", "dtensor"), ("megatron_sp", "dtensor_sp")):
+                r = statistics.median(
+                    max(res["times"][m][i] for res in results)
+                    / max(res["times"][base][i] for res in results) for i in range(steps))
+                summary[m][f"ratio_vs_{base}"] = round(r, 3)
+                print(f"{m} / {base} = {r:.3f} (target <= {TP_TARGET}): "
                       f"{'ok' if r <= TP_TARGET else 'MISSED'}")
             print(json.dumps({"bench": "megatron_tp_vs_dtensor", "modes": summary,
                               "loss_step0": losses, "reference": ref, "match": same}))
