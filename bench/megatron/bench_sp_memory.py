@@ -78,7 +78,8 @@ def _saved(rank: int, world: int, gen: str) -> dict[str, int]:
         params = {p.data_ptr() for p in pm.parameters()}
         seen: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, params: set[int] = params,
+                 seen: dict[int, int] = seen) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
