@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "nanogpt_lightning" 
 # each run starts 2 processes through Lightning (~1 min on 2 shared cores): the suite
 # runs the tensor-parallel config; the data-parallel one (the same strategy code as
 # tests/integration/test_lightning.py) with NNSCALER_SLOW_TESTS=1
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     pytest.param("dp", marks=pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
                                                 reason="slow: set NNSCALER_SLOW_TESTS=1")),

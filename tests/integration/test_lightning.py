@@ -141,6 +141,7 @@ def _worker(rank, world, tmp):
     return len(ours.losses)
 
 
+@pytest.mark.slow
 def test_lightning_strategy_matches_ddp_merges_and_resumes(tmp_path):
     assert run_distributed(_worker, 2, str(tmp_path), timeout=600) == [STEPS, STEPS]
 

@@ -24,12 +24,14 @@ FOUR = [
 ]
 
 
+@pytest.mark.slow
 def test_parity_on_two_processes(tmp_path):
     cases = [(kind, sizes) for kind in KINDS for sizes in TWO]
     done = run_distributed(parity_worker, 2, cases, str(tmp_path))
     assert all(len(d) == len(cases) for d in done)
 
 
+@pytest.mark.slow
 def test_parity_on_four_processes(tmp_path):
     cases = [(kind, sizes) for kind in KINDS for sizes in FOUR]
     done = run_distributed(parity_worker, 4, cases, str(tmp_path))
