@@ -119,7 +119,7 @@ class TransformRule:
     the same arguments and the modifier's keywords: a split that needs other code than
     the whole op (a lookup into a slice of a table masks the rows it does not hold). When
     that op is registered ``collective=True`` its parts also talk to each other: each
-    receives ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup` of the parts of the
+    receives ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup` of the parts of the
     split (a cross-entropy over classes split in parts exchanges its normalizers).
 
     A *value rule* has no ``Split`` input, only ``ValuePartial`` ones (and ``Replicate``
