@@ -51,6 +51,14 @@ def make_model(kind: str) -> nn.Module:
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
         return WithLoss(transformers.LlamaForCausalLM(config))
+    if kind in ("mistral", "qwen2"):  # Llama's structure under other names and classes
+        cfg_cls, model_cls = {
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+        config = cfg_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=64)
+        return WithLoss(model_cls(config))
     if kind == "gpt2":
         config = transformers.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,

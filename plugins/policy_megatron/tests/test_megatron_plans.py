@@ -128,17 +128,14 @@ def test_plan_reproduces_model(kind, name):
     _reproduces(kind, g)
 
 
-def _between_bytes(g, devices=(0,)) -> int:
-    """Bytes written on ``devices`` by the ops outside the tensor-parallel regions whose
-    outputs carry the hidden dim (norms, dropout, residual adds): the activations those
-    regions keep for the backward."""
-    total = 0
-    for op in g.nodes():
-        if op.device not in devices or op.name.endswith(("arange", "embedding")):
-            continue
-        for x in op.output_tensors():
-            total += x.full.dtype.itemsize * int(torch.Size(x.shape).numel())
-    return total
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_other_hf_families_plan_by_structure(kind, name):
+    sizes = dict(PLANS[name])
+    g, p = planned(kind, config(tp=sizes.pop("tp"), **sizes))
+    assert [op for op in p.unplaced if not op.name.endswith("embedding")] == []
+    assert sum(r.kind == "column" for r in p.regions) == 2 * 4 + 1  # attention, MLP; head
+    _reproduces(kind, g)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
