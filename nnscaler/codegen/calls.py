@@ -12,6 +12,7 @@ with ``code_impl_pattern='source'`` (its source is copied into the generated fil
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
@@ -126,16 +127,43 @@ def _spell(fn: Any, name: str) -> tuple[str, str] | None:
     """An expression that names ``fn`` and the module to import: ``name`` if it resolves
     to ``fn``, else ``fn``'s own module and qualified name."""
     found = resolve(name)
-    if found is not None and _same(found[0], fn):
+    if found is not None and _reaches(found[0], fn):
         return name, found[1]
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if module and qualname and "<" not in qualname:
         path = f"{module}.{qualname}"
         found = resolve(path)
-        if found is not None and _same(found[0], fn):
+        if found is not None and _reaches(found[0], fn):
             return path, found[1]
     return None
+
+
+def _reaches(obj: Any, fn: Any) -> bool:
+    """``obj`` is ``fn``, or the function ``@register_op`` put in ``fn``'s place (the
+    decorator form): calling it outside a trace calls ``fn``."""
+    return _same(obj, fn) or (hasattr(obj, "__wrapped_op__")
+                              and _same(getattr(obj, "__wrapped__", None), fn))
+
+
+def _without_register_op(source: str) -> str:
+    """``source`` of a function less its ``@register_op(...)`` decorators (the generated
+    file calls the plain function; registering it again there would fail)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return source
+    lines = source.splitlines(keepends=True)
+    drop: set[int] = set()
+    for deco in node.decorator_list:
+        call = deco.func if isinstance(deco, ast.Call) else deco
+        name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if name == "register_op":
+            drop.update(range(deco.lineno - 1, (deco.end_lineno or deco.lineno)))
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def _source_def(fn: Any, where: str) -> tuple[str, str]:
@@ -150,7 +178,7 @@ def _source_def(fn: Any, where: str) -> tuple[str, str]:
     if not inspect.isfunction(fn) or not source.lstrip().startswith(("def ", "@")):
         raise CodegenError(f"{where}: code_impl_pattern='source' needs a plain function, got "
                            f"{fn!r}")
-    return fn.__name__, source
+    return fn.__name__, _without_register_op(source)
 
 
 _PLAIN = (type(None), bool, int, float, str)
