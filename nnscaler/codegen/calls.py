@@ -178,6 +178,23 @@ def _source_def(fn: Any, where: str) -> tuple[str, str]:
     if not inspect.isfunction(fn) or not source.lstrip().startswith(("def ", "@")):
         raise CodegenError(f"{where}: code_impl_pattern='source' needs a plain function, got "
                            f"{fn!r}")
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        names = None
+    if names is not None:
+        import torch
+
+        foreign = sorted([n for n, v in names.globals.items() if v is not torch]
+                         + list(names.nonlocals))
+        if foreign:
+            raise CodegenError(
+                f"{where}: the op was registered with code_impl_pattern='source', which copies "
+                f"the function {fn.__name__!r} alone into the generated file, but it uses "
+                f"{', '.join(map(repr, foreign))} from around it (only 'torch' is there). "
+                f"Make the function self-contained (import inside it), or register it with "
+                f"code_impl_pattern='import' at the top level of an importable module"
+            )
     return fn.__name__, _without_register_op(source)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.codegen.calls import CallSource, call_source
@@ -189,18 +190,18 @@ class _Rank:
         out_lines.append(f"return {self.returned()}")
         return list(prologue) + _render(blocks) + out_lines
 
-    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool, list[str]]]:
+    def steps_body(self, steps: list[OpStep]) -> list[tuple[_Mode, list[str]]]:
         """This device's lines of ``steps``: blocks of lines, each with or without
-        gradients."""
-        blocks: list[tuple[bool, list[str]]] = []  # (no_grad, lines)
+        gradients and under the autocast its ops were traced in."""
+        blocks: list[tuple[_Mode, list[str]]] = []  # ((no_grad, autocast), lines)
 
-        def add(no_grad: bool, lines: list[str]) -> None:
+        def add(mode: _Mode, lines: list[str]) -> None:
             if not lines:
                 return
-            if blocks and blocks[-1][0] == no_grad:
+            if blocks and blocks[-1][0] == mode:
                 blocks[-1][1].extend(lines)
             else:
-                blocks.append((no_grad, list(lines)))
+                blocks.append((mode, list(lines)))
 
         last_comment = ""
         for step in steps:
@@ -214,11 +215,31 @@ class _Rank:
                     lines.append(note)
                     last_comment = note
                 lines += self.op_lines(step, op)
-            add(step.no_grad, lines)
+            add((step.no_grad, step.origin.autocast), lines)
         return blocks
 
+    def input_checks(self) -> list[str]:
+        """``boundary.check_inputs({...})``: every forward argument against what the module
+        was traced with (tensors: shape and dtype; Python values: the constant the code
+        holds), before anything runs."""
+        entries = [f"{leaf.access!r}: ({leaf.access}, {tuple(full.shape)!r}, "
+                   f"{literal(full.dtype)})"
+                   for full, leaf in self.p.leaves.items() if full.kind is TensorKind.INPUT]
+        if self.pipe is None:  # a pipeline stage takes the sample only
+            for name, default in self.p.args:
+                value = self.p.graph.inputs.get(name, default)
+                if default is not None:  # not traced: the code ran with the default
+                    entries.append(f"{name!r}: ({name}, {default})")
+                elif value is None or isinstance(value, (bool, int, float, str)):
+                    entries.append(f"{name!r}: ({name}, {literal(value)})")
+        if not entries:
+            return []
+        if len(entries) == 1:
+            return [f"boundary.check_inputs({{{entries[0]}}})"]
+        return ["boundary.check_inputs({", *(f"{_INDENT}{e}," for e in entries), "})"]
+
     def prologue(self) -> list[str]:
-        lines = []
+        lines = self.input_checks()
         training = not self.p.inference_only
         for full, leaf in self.p.leaves.items():
             if full.kind is not TensorKind.INPUT:
@@ -535,11 +556,18 @@ class _Rank:
         return "\n".join(head + cls) + "\n"
 
 
-def _render(blocks: list[tuple[bool, list[str]]]) -> list[str]:
+#: How a block of generated lines runs: (no_grad, the autocast of its ops).
+_Mode = tuple[bool, tuple[tuple[str, torch.dtype], ...]]
+
+
+def _render(blocks: list[tuple[_Mode, list[str]]]) -> list[str]:
     body: list[str] = []
-    for no_grad, lines in blocks:
-        if no_grad:
-            body.append("with torch.no_grad():")
+    for (no_grad, autocast), lines in blocks:
+        contexts = ["torch.no_grad()"] if no_grad else []
+        contexts += [f"torch.autocast({device!r}, dtype={literal(dtype)})"
+                     for device, dtype in autocast]
+        if contexts:
+            body.append(f"with {', '.join(contexts)}:")
             body += [_INDENT + line for line in lines]
         else:
             body += lines

@@ -550,6 +550,7 @@ class _SavedState:
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.params: dict[int, tuple[torch.Tensor, int]] = {}
         self.param_copies: dict[int, torch.Tensor] = {}
+        self.storages: dict[int, torch.Tensor] = {}  # storage address -> parameter
         for m in module.modules(remove_duplicate=False):
             for attr, b in m._buffers.items():
                 self.slots.append((m._buffers, attr, b))
@@ -559,14 +560,17 @@ class _SavedState:
                 self.slots.append((m._parameters, attr, p))
                 if p is not None:
                     self.params.setdefault(id(p), (p, _version(p)))
+                    self.storages.setdefault(_storage(p), p)
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def keep(self, tensors: list[torch.Tensor]) -> None:
-        """Copy the parameters among ``tensors`` (before a call that may write them)."""
+        """Copy the parameters that ``tensors`` are or alias (``p.data``, views) before a
+        call that may write them."""
         for t in tensors:
-            if id(t) in self.params and id(t) not in self.param_copies:
-                self.param_copies[id(t)] = t.detach().clone()
+            p = self.storages.get(_storage(t))
+            if p is not None and id(p) not in self.param_copies:
+                self.param_copies[id(p)] = p.detach().clone()
 
     def restore(self) -> None:
         for slots, attr, tensor in self.slots:
@@ -574,16 +578,15 @@ class _SavedState:
                 slots[attr] = tensor
         changed: list[str] = []
         with torch.no_grad():
-            for t, copy, version in self.buffers.values():
-                if _version(t) != version:
+            for t, copy, _ in self.buffers.values():  # also written through aliases
+                if _version(t) == -1 or not torch.equal(t, copy):
                     t.copy_(copy)
             for key, (p, version) in self.params.items():
-                if _version(p) != version:
-                    copy = self.param_copies.get(key)
-                    if copy is None:
-                        changed.append(str(list(p.shape)))
-                    else:
-                        p.copy_(copy)
+                copy = self.param_copies.get(key)
+                if copy is not None:
+                    p.copy_(copy)
+                elif _version(p) != version:
+                    changed.append(str(list(p.shape)))
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -594,6 +597,13 @@ class _SavedState:
                 f"parameters outside forward, or with an in-place method (p.add_(...), "
                 f"p.copy_(...), p[i] = v) that the tracer sees"
             )
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # e.g. a tensor subclass without storage
+        return -id(t)
 
 
 def _may_write(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
