@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
-from nnscaler.checkpoint.meta import (
+from nnscaler.checkpoint.optimizer import (
+    OPTIMIZER_KEY,
+    optimizer_name,
+    parallel_modules,
+    tensor_entries,
+)
+from nnscaler.runtime.state import (
     EXTRA_KEY,
     FORMAT,
     MARKER,
@@ -33,12 +39,6 @@ from nnscaler.checkpoint.meta import (
     slicers,
     sub_shape,
     unheld_names,
-)
-from nnscaler.checkpoint.optimizer import (
-    OPTIMIZER_KEY,
-    optimizer_name,
-    parallel_modules,
-    tensor_entries,
 )
 
 __all__ = ["load_merged_state_dicts", "merge_state_dicts"]

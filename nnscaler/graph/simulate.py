@@ -11,7 +11,7 @@ so autograd runs through the pieces back to the module's parameters.
 
 The parts of a split that talk to each other (a collective part op, e.g. a cross-entropy
 over classes split in parts) run together, as threads joined by a
-:class:`~nnscaler.ops.partgroup.PartGroup`.
+:class:`~nnscaler.anno.partgroup.PartGroup`.
 
 Devices are not simulated: every instance runs here, whatever its device. Moving pieces
 between devices is the layout layer's job, with its own simulator.
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from nnscaler.anno.partgroup import PartGroup, run_parts
 from nnscaler.graph.check import written_by
 from nnscaler.graph.errors import RunPlanError
 from nnscaler.graph.graph import as_irgraph
@@ -39,7 +40,6 @@ from nnscaler.ir import (
     default_device,
     leaf_values,
 )
-from nnscaler.ops.partgroup import PartGroup, run_parts
 
 
 def _slices(ranges: Ranges, within: Ranges) -> tuple[slice, ...]:
@@ -196,7 +196,7 @@ def run_plan(
 
     def run_together(op: Op) -> None:
         """The parts of a split that talk to each other (a collective part op) run at
-        once, as threads joined by a PartGroup (nnscaler.ops.partgroup.run_parts)."""
+        once, as threads joined by a PartGroup (nnscaler.anno.partgroup.run_parts)."""
         parts = g.split_parts(op)
         calls = []
         for part in parts:
