@@ -27,14 +27,9 @@ import torch.utils._pytree as pytree
 from nnscaler.anno import PromiseBrokenError, check_promise
 from nnscaler.errors import NNScalerError
 from nnscaler.ir import CURRENT_DEVICE, Op, SubTensor
+from nnscaler.plugins import BUILTIN_PLUGINS
 
 __all__ = ["CustomOpCheckError", "check_custom_ops", "checked_cache_dir"]
-
-#: Ops registered by these plugins are checked by the test suite, not at parallelize.
-_BUILTIN_REGISTRANTS = frozenset(
-    {"nnscaler.ops.builtin", "nnscaler.schedule.builtin", "nnscaler.layout.primitives",
-     "nnscaler.graph.ops", "nnscaler.policies"}
-)
 
 #: Keys of the checks passed in this process.
 _passed: set[str] = set()
@@ -56,7 +51,8 @@ def checked_cache_dir() -> Path:
 
 def _is_custom(op: Op) -> bool:
     opdef = op.opdef
-    return opdef is not None and opdef.registrant not in _BUILTIN_REGISTRANTS
+    # the built-ins' annotations are checked by the test suite, not at every parallelize
+    return opdef is not None and opdef.registrant not in BUILTIN_PLUGINS
 
 
 def _source_hash(fn: Any) -> str:
