@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from nnscaler import ComputeConfig, parallelize
+from nnscaler import ComputeConfig, parallelize, register_op
 from nnscaler.trace import DataDependentError, MetaTraceError, trace
 
 pytestmark = pytest.mark.filterwarnings("ignore::nnscaler.trace.OpaqueOpWarning")
@@ -146,6 +146,32 @@ def test_loops_report_a_line_once_with_a_count(tmp_path):
                        r"100:  # LOOP': torch.Tensor.__bool__ gave the value False \(3 times\)"):
         parallelize(Loop(), {"x": torch.randn(3, 4)}, "dp", TWO, gen_savedir=tmp_path,
                     load_module=False)
+
+
+@register_op("n^ d^ -> n^ d^", name="tests.clip_rows_if_large", code_impl_pattern="source")
+def clip_rows_if_large(h: torch.Tensor) -> torch.Tensor:
+    """The branch on data inside a registered op: it runs whole, on the real values (the
+    maximum is over every row, so no dim may be split: the promise check catches 'n d^')."""
+    if h.abs().max() > 1.0:
+        return h / h.abs().max()
+    return h
+
+
+class BranchInsideOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return clip_rows_if_large(self.fc(x)).sum()
+
+
+def test_a_registered_op_may_read_data(tmp_path):
+    x = torch.randn(4, 4)
+    graph = trace(BranchInsideOp(), {"x": x})
+    assert graph.data_dependent == [] and len(graph.ops) == 3
+    parallelize(BranchInsideOp(), {"x": x}, "data", TWO, gen_savedir=tmp_path,
+                load_module=False)
 
 
 def test_meta_data_reads_stay_meta_errors():
