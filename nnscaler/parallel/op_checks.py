@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -91,10 +92,25 @@ def _tolerance(op: Op) -> tuple[float, float]:
     return (1e-2, 1e-2) if low else (1e-5, 1e-6)
 
 
+#: Inputs larger than this (elements, all inputs together) are not made up for a check:
+#: a model traced on the meta device can have op inputs of many gigabytes.
+MAX_CHECK_ELEMENTS = 1 << 24
+
+
 def _check_one(op: Op, nums: set[int]) -> bool:
     """Check ``op``'s splits in ``nums`` parts; False when the op cannot run here."""
     opdef = op.opdef
     if opdef is None or op.anno is None:
+        return False
+    size = sum(math.prod(t.shape) for t in op.input_tensors())
+    if size > MAX_CHECK_ELEMENTS:
+        warnings.warn(
+            f"the annotation of op {opdef.name!r} (registered by {opdef.registrant!r}) was not "
+            f"checked at parallelize: its traced inputs have {size:,} elements, more than the "
+            f"{MAX_CHECK_ELEMENTS:,} the check makes up. Check it on small inputs with "
+            f"nnscaler.ops.verify.verify_op (or trace with smaller dummy inputs)",
+            stacklevel=4,
+        )
         return False
     gen = torch.Generator().manual_seed(0)
 

@@ -140,3 +140,11 @@ def test_source_that_needs_its_module_is_refused_before_files_are_written(tmp_pa
                     ComputeConfig(plan_ngpus=1, runtime_ngpus=1), gen_savedir=tmp_path)
     assert not any(tmp_path.rglob("gencode*.py"))
     assert custom_ops.uses_a_global.__wrapped_op__ == "tests.uses_a_global"
+
+
+def test_inputs_too_large_to_make_up_are_not_checked_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(op_checks, "MAX_CHECK_ELEMENTS", 10)
+    with pytest.warns(UserWarning, match=r"'tests.lying_column_norm' .* was not checked at "
+                      r"parallelize: its traced inputs have 64 elements.*verify_op"):
+        parallelize(UsesOp("lying"), make_batch(0), "data", TWO, gen_savedir=tmp_path,
+                    load_module=False)
