@@ -531,8 +531,14 @@ class Tracer:
             pre.remove()
             post.remove()
             self._stack.clear()
-            if self._saved is not None:
-                self._saved.restore()
+            unrestored = self._saved.restore() if self._saved is not None else []
+        if unrestored:
+            raise TraceError(
+                f"forward changed parameter(s) of shape {', '.join(unrestored)} in place in a "
+                f"way the tracer cannot undo, so tracing would leave your module changed; "
+                f"change parameters outside forward, or with an in-place method "
+                f"(p.add_(...), p.copy_(...), p[i] = v) that the tracer sees"
+            )
         self.graph.outputs = self._to_ir(out)
         self.graph.validate()
         return self.graph
@@ -572,14 +578,16 @@ class _SavedState:
             if p is not None and id(p) not in self.param_copies:
                 self.param_copies[id(p)] = p.detach().clone()
 
-    def restore(self) -> None:
+    def restore(self) -> list[str]:
+        """Put everything back; returns the shapes of parameters that changed in a way
+        that cannot be undone (none were copied before the write)."""
         for slots, attr, tensor in self.slots:
             if slots.get(attr) is not tensor:
                 slots[attr] = tensor
         changed: list[str] = []
         with torch.no_grad():
             for t, copy, _ in self.buffers.values():  # also written through aliases
-                if _version(t) == -1 or not torch.equal(t, copy):
+                if t.device.type != "meta" and (_version(t) == -1 or not torch.equal(t, copy)):
                     t.copy_(copy)
             for key, (p, version) in self.params.items():
                 copy = self.param_copies.get(key)
@@ -590,13 +598,7 @@ class _SavedState:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        if changed:
-            raise TraceError(
-                f"forward changed parameter(s) of shape {', '.join(changed)} in place in a way "
-                f"the tracer cannot undo, so tracing would leave your module changed; change "
-                f"parameters outside forward, or with an in-place method (p.add_(...), "
-                f"p.copy_(...), p[i] = v) that the tracer sees"
-            )
+        return changed
 
 
 def _storage(t: torch.Tensor) -> int:
