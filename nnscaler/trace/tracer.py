@@ -412,6 +412,7 @@ class Tracer:
         )
         if _data_sized(func, args, kwargs):
             sizes = ", ".join(str(list(o.shape)) for o in outs)
+            sizes = f"({sizes})" if len(outs) > 1 else sizes
             self.graph.data_dependent.append(f"{name} -> size {sizes} at {source}")
         return out
 
