@@ -239,7 +239,8 @@ class _Rank:
         return ["boundary.check_inputs({", *(f"{_INDENT}{e}," for e in entries), "})"]
 
     def prologue(self) -> list[str]:
-        lines = self.input_checks()
+        # a pipeline checks every sample before its schedule runs (_check_inputs)
+        lines = self.input_checks() if self.pipe is None else []
         training = not self.p.inference_only
         for full, leaf in self.p.leaves.items():
             if full.kind is not TensorKind.INPUT:
@@ -494,6 +495,12 @@ class _Rank:
                 if stage.group == self.group:
                     methods += ["", *self.stage_method(stage)] if methods else \
                         self.stage_method(stage)
+            checks = self.input_checks()
+            if checks:
+                methods += ["", f"def _check_inputs(self, {self.p.args[0][0]}):",
+                            f'{_INDENT}"""A micro-batch against the traced sample (train_step and '
+                            f'infer_step check each before the schedule runs)."""',
+                            *(_INDENT + line for line in checks)]
         init = self.init_lines()
         where = ""
         if pipe is not None:

@@ -78,3 +78,24 @@ def test_every_rank_names_the_argument_before_any_collective(tmp_path):
         assert message is not None
         assert "\"batch['input_ids']\" is a tensor of shape [6, 8]" in message
         assert "parallelized with a tensor of shape [4, 8]" in message
+
+
+def _pipeline_worker(rank, world, gen_savedir):
+    from nnscaler import ComputeConfig, parallelize
+
+    batch = make_batch("mlp", seed=0)
+    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True,
+                        pas_config={"pipeline_nmicros": 2})
+    pm = parallelize(make_model("mlp"), {"batch": batch}, "pp", cfg, gen_savedir=gen_savedir)
+    pm.train_step([batch, make_batch("mlp", seed=1)])  # as traced: fine
+    smaller = {k: v[:3] for k, v in make_batch("mlp", seed=2).items()}
+    try:  # the second micro-batch is off: refused before stage 0 sends anything
+        pm.train_step([batch, smaller])
+    except ParallelModuleError as e:
+        return str(e)
+    return None
+
+
+def test_a_pipeline_checks_every_micro_batch_on_every_rank(tmp_path):
+    for message in run_distributed(_pipeline_worker, 2, str(tmp_path), timeout=120):
+        assert message is not None and "\"batch['x']\" is a tensor of shape [3, 8]" in message
