@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nnscaler.errors import NNScalerError
 from nnscaler.ops.builtin._common import (
     SPLITTABLE_SIZES,
     idents,
@@ -47,8 +48,9 @@ from nnscaler.ops.builtin.indexing.common import (
 from nnscaler.ops.registry import OpRegistry
 
 
-class _Unsupported(Exception):
-    """A key whose result the plan does not model; the caller falls back to '^' everywhere."""
+class _Unsupported(NNScalerError, ValueError):
+    """A key whose result the plan does not model; the caller falls back to '^' everywhere.
+    (Caught in this module: it never reaches the user.)"""
 
 
 def _is_int(v: Any) -> bool:
