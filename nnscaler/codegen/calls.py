@@ -182,20 +182,24 @@ def _source_def(fn: Any, where: str) -> tuple[str, str]:
         names = inspect.getclosurevars(fn)
     except (TypeError, ValueError):
         names = None
+    imports = []
     if names is not None:
-        import torch
-
-        foreign = sorted([n for n, v in names.globals.items() if v is not torch]
-                         + list(names.nonlocals))
+        modules = {n: v for n, v in names.globals.items() if inspect.ismodule(v)}
+        foreign = sorted([n for n in names.globals if n not in modules] + list(names.nonlocals))
         if foreign:
             raise CodegenError(
                 f"{where}: the op was registered with code_impl_pattern='source', which copies "
-                f"the function {fn.__name__!r} alone into the generated file, but it uses "
-                f"{', '.join(map(repr, foreign))} from around it (only 'torch' is there). "
+                f"the function {fn.__name__!r} alone into the generated file (with the modules "
+                f"it names), but it uses {', '.join(map(repr, foreign))} from around it. "
                 f"Make the function self-contained (import inside it), or register it with "
                 f"code_impl_pattern='import' at the top level of an importable module"
             )
-    return fn.__name__, _without_register_op(source)
+        for alias, module in sorted(modules.items()):  # e.g. import torch.nn.functional as F
+            if module.__name__ != "torch" or alias != "torch":
+                imports.append(f"import {module.__name__}" if alias == module.__name__
+                               else f"import {module.__name__} as {alias}")
+    body = _without_register_op(source)
+    return fn.__name__, "\n".join(imports) + "\n\n\n" + body if imports else body
 
 
 _PLAIN = (type(None), bool, int, float, str)

@@ -4,6 +4,7 @@ an importable module (as user code would) with ``@register_op`` as a decorator."
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nnscaler
@@ -27,9 +28,9 @@ def row_scale(x: torch.Tensor) -> torch.Tensor:
 
 @nnscaler.register_op("n d^ -> n d^", name="tests.row_scale_src", code_impl_pattern="source")
 def row_scale_src(x: torch.Tensor) -> torch.Tensor:
-    """``row_scale`` again, carried into the generated file as source (so it may name no
-    module-level name other than ``torch``)."""
-    return x / x.norm(dim=1, keepdim=True)
+    """``row_scale`` again, carried into the generated file as source (so it may name
+    modules, ``F`` here, but no other module-level name)."""
+    return F.normalize(x, dim=1)
 
 
 OPS = {"lying": lying_column_norm, "import": row_scale, "source": row_scale_src}
