@@ -12,7 +12,13 @@ Each call is run, then:
   knows the function, *opaque* otherwise. A call that changes an argument in place
   (detected by the tensor's version counter, so ``x[i] = v``, ``out=`` and
   ``inplace=True`` are covered) gives the changed tensor, and every tracked view of the
-  same storage, a new version.
+  same storage, a new version. Each op keeps the grad mode and the ``torch.autocast``
+  state it ran under; a call whose result's *size* depends on data (``torch.nonzero``,
+  ``x[mask]``, ``torch.where(cond)``) is listed in ``graph.data_dependent`` too.
+
+With the real strategy the forward runs on the user's module: :class:`_SavedState` puts
+back what it changed (buffers, parameters written in place, the random generators), so
+tracing leaves the module as it was.
 
 Functions wrapped by :func:`nnscaler.register_op` reach the tracer through
 :data:`nnscaler.ops.registry.op_call_interceptor`: one op is recorded and the function
