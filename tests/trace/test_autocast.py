@@ -130,3 +130,31 @@ def test_split_plans_run_under_autocast(tmp_path, policy):
     for got in run_distributed(_split_worker, 2, str(tmp_path), policy):
         # bf16 rounding: a split plan may add partial sums in another order
         assert got == pytest.approx(want, rel=4e-3)
+
+
+def test_recomputed_autocast_region(tmp_path):
+    """A recompute group inside an autocast region recomputes in the same dtypes."""
+    from nnscaler.plugins import get_plugin_manager
+
+    dp = get_plugin_manager().policies.get("dp")
+
+    def dp_recompute(graph, cfg):
+        graph = dp(graph, cfg)
+        graph.recompute(["fc1", "fc2"])
+        return graph
+
+    torch.manual_seed(0)
+    model = Mixed()
+    reference = copy.deepcopy(model)
+    pm = parallelize(model, batch(0), dp_recompute, ComputeConfig(plan_ngpus=1, runtime_ngpus=1),
+                     gen_savedir=tmp_path)
+    source = next(tmp_path.rglob("gencode0.py")).read_text()
+    assert "torch.utils.checkpoint.checkpoint(" in source and "torch.autocast(" in source
+    data = batch(1)
+    loss, want = pm(**data), reference(**data)
+    assert torch.equal(loss, want)
+    loss.backward()
+    want.backward()
+    for name, p in reference.named_parameters():
+        got = next(getattr(pm, a).grad for a, m in pm.fullmap.items() if m.orig_name == name)
+        assert torch.equal(got, p.grad), name
