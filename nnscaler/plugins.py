@@ -40,6 +40,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.layout.primitives",
     "nnscaler.graph.ops",
     "nnscaler.policies",
+    "nnscaler.cli.loggers",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.
@@ -48,6 +49,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "nnscaler_register_policies": "policies",
     "nnscaler_register_schedules": "schedules",
     "nnscaler_register_adapters": "adapters",
+    "nnscaler_register_loggers": "loggers",
 }
 
 
@@ -109,6 +111,11 @@ class NNScalerPluginManager:
         )
         self.schedules: Registry[Callable] = Registry("schedule")
         self.adapters: Registry[Any] = Registry("adapter")
+        self.loggers: Registry[Any] = Registry(
+            "logger",
+            install_hint="Install a logger plugin, or give the logger's class (or its import "
+            "path) as LogConfig.type.",
+        )
         self.infos: dict[str, PluginInfo] = {}
         self._order: list[str] = []
         for modname in BUILTIN_PLUGINS:
