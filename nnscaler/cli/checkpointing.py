@@ -160,8 +160,8 @@ def point(save_dir: Path, alias: str, target: Path, *, symlink: bool) -> None:
 
 
 def rotate(save_dir: Path, keep: int | None) -> list[Path]:
-    """Remove the oldest complete checkpoints beyond ``keep``, never one that ``last``
-    or ``best`` links to. Returns the removed folders."""
+    """Keep the newest ``keep`` complete checkpoints (and the ones ``last`` and ``best``
+    link to); remove the others. Returns the removed folders."""
     if keep is None:
         return []
     done = complete_checkpoints(save_dir)
@@ -171,15 +171,11 @@ def rotate(save_dir: Path, keep: int | None) -> list[Path]:
         if link.is_symlink():
             protected.add((save_dir / os.readlink(link)).resolve())
     removed = []
-    excess = len(done) - keep
-    for p in done:
-        if excess <= 0:
-            break
+    for p in done[: max(len(done) - keep, 0)]:  # all but the newest `keep`
         if p.resolve() in protected:
             continue
         shutil.rmtree(p)
         removed.append(p)
-        excess -= 1
     return removed
 
 
