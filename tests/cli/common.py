@@ -83,6 +83,7 @@ def trainer_args(tmp: Path, *, world: int = 1, plan: int = 1, policy: str = "dp"
         dataset=DatasetConfig(type=dataset, train_args={"size": 64}),
         pas_policy=policy,
         gen_savedir=str(tmp / "gen"),
+        instance_name=f"{policy}_p{plan}_w{world}",
         micro_batch_size=4,
         global_batch_size=8,
         max_train_steps=6,
