@@ -126,9 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                     "configuration. Any --dotted.key VALUE after the options overrides "
                     "that entry of the configuration.",
     )
-    parser.add_argument("mode", nargs="?", choices=_MODES,
-                        help="'run' (default: the file's run_mode) trains under torchrun; "
-                             "'compile' only generates the code, without a process group")
+    parser.usage = "nnscaler-train [run|compile] -f CONFIG [--dotted.key VALUE ...]"
+    parser.epilog = ("run (default: the file's run_mode) trains, under torchrun; compile only "
+                     "generates the code, without a process group")
     parser.add_argument("-f", "--config", dest="config", required=False,
                         help="the YAML file of TrainerArgs fields")
     return parser
@@ -136,11 +136,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str]) -> TrainerArgs:
     """The :class:`TrainerArgs` of a command line (without the program name)."""
-    ns, rest = _parser().parse_known_args(list(argv))
+    argv = list(argv)
+    mode = argv.pop(0) if argv and argv[0] in _MODES else None
+    ns, rest = _parser().parse_known_args(argv)
     config: dict[str, Any] = load_yaml(ns.config) if ns.config else {}
     apply_overrides(config, rest)
-    if ns.mode is not None:
-        config["run_mode"] = ns.mode
+    if mode is not None:
+        config["run_mode"] = mode
     return TrainerArgs.from_dict(config)
 
 
