@@ -20,6 +20,8 @@ import hashlib
 import logging
 import math
 import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -201,6 +203,7 @@ class Trainer:
         scheduler, loggers, hooks, and the checkpoint to resume from."""
         args = self.args
         self._init_process_group()
+        self._peers = self._all_gather((socket.gethostname(), os.getpid()))
         if args.init_env_fn is not None:
             resolve_object(args.init_env_fn, "init_env_fn")(self)
         self._seed()
@@ -448,6 +451,23 @@ class Trainer:
 
     def train(self) -> None:
         """The training loop (after :meth:`setup`)."""
+        try:
+            self._train()
+        except BaseException:
+            self._wake_local_peers()
+            raise
+
+    def _wake_local_peers(self) -> None:
+        """Continue stopped ranks on this host (SIGCONT) as this rank fails: torchrun
+        then ends the job at once; a stopped process would ignore its SIGTERM and hold
+        the job for torchrun's 30 s grace period. A running rank is not affected."""
+        me = socket.gethostname()
+        for rank, (host, pid) in enumerate(getattr(self, "_peers", [])):
+            if rank != self.rank and host == me:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
+
+    def _train(self) -> None:
         args = self.args
         if self.steps_per_epoch == 0:
             raise TrainerError(
@@ -781,6 +801,13 @@ class Trainer:
             flag = flag.to(self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return float(flag.item()) == 0.0
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def _gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
