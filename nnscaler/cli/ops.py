@@ -25,8 +25,16 @@ import torch
 from nnscaler.errors import NNScalerError
 from nnscaler.ops.registry import register_op
 
-__all__ = ["ChunkedLossError", "chunk_linear_cross_entropy", "chunk_linear_cross_entropy_anno"]
+__all__ = [
+    "OP_NAME",
+    "ChunkedLossError",
+    "chunk_linear_cross_entropy",
+    "chunk_linear_cross_entropy_anno",
+    "chunk_linear_cross_entropy_fn",
+]
 
+#: The registered op's name: the import path of the function the generated code calls.
+OP_NAME = "nnscaler.cli.ops.chunk_linear_cross_entropy_fn"
 _NAMES = "abcefghijklmnopqrstuwxyz"  # no 'd' (the hidden dim) and no 'v' (the vocabulary)
 
 
@@ -102,9 +110,7 @@ def _gen(rng: random.Random) -> tuple[tuple, dict]:
     return (hidden, weight, target), kw
 
 
-@register_op(chunk_linear_cross_entropy_anno,
-             name="nnscaler.cli.ops.chunk_linear_cross_entropy", input_gen_fn=_gen)
-def chunk_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+def chunk_linear_cross_entropy_fn(hidden: torch.Tensor, weight: torch.Tensor,
                                target: torch.Tensor, reduction: str = "mean",
                                ignore_index: int = -100, chunk_size: int = 1024) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, target)`` without materialising the logits.
@@ -136,3 +142,10 @@ def chunk_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     if reduction == "sum":
         return flat.sum()
     return flat.sum() / (target != ignore_index).sum()
+
+
+#: The op models call (the tracer records each call as one op; the generated code calls
+#: :func:`chunk_linear_cross_entropy_fn` itself, the op's name).
+chunk_linear_cross_entropy = register_op(
+    chunk_linear_cross_entropy_anno, name=OP_NAME, input_gen_fn=_gen,
+)(chunk_linear_cross_entropy_fn)

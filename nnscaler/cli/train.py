@@ -12,12 +12,14 @@ are named by import path). Each ``--dotted.key value`` after it overrides one en
 (``--compute_config.plan_ngpus 2``, ``--log.0.args.root_dir runs``); values are read as
 YAML scalars (``1e-3`` is a number, ``true`` a bool, ``null`` None, ``[1, 2]`` a list).
 An unknown key, a wrong type or a missing required field stops with an error that names
-the dotted key, and the closest valid key for a typo.
+the dotted key, and the closest valid key for a typo. Import paths resolve from the
+current directory too, as with ``python -m``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -153,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     set_default_logger_level("INFO")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # as `python -m`: import paths in the config resolve from the current directory
+        sys.path.insert(0, os.getcwd())
     try:
         train_args = parse_args(args)
     except ConfigError as e:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nnscaler.cli.ops import ChunkedLossError, chunk_linear_cross_entropy
+from nnscaler.cli.ops import OP_NAME, ChunkedLossError, chunk_linear_cross_entropy
 from nnscaler.ops.verify import verify_op
 from nnscaler.plugins import get_plugin_manager
 
@@ -62,7 +62,7 @@ def test_the_whole_logits_never_exist():
 
 
 def test_annotation_keeps_its_promise_on_random_calls():
-    opdef = get_plugin_manager().ops.get("nnscaler.cli.ops.chunk_linear_cross_entropy")
+    opdef = get_plugin_manager().ops.get(OP_NAME)
     rng = random.Random(0)
     split = 0
     for _ in range(20):
