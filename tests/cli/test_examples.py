@@ -57,3 +57,32 @@ def test_nanogpt_tensor_parallel_with_chunked_loss(tmp_path):
     tp = run_distributed(_nanogpt_python, 2, str(tmp_path), True, True)[0]
     assert all(math.isfinite(x) for x in tp)
     torch.testing.assert_close(tp, dp, rtol=1e-4, atol=0)
+
+
+LLAMA = REPO / "examples" / "llama"
+
+
+def _llama_plans(rank, world, tmp):
+    sys.path.insert(0, str(LLAMA))
+    os.environ["WORLD_SIZE"] = str(world)
+    from train import trainer_args
+
+    from cli.common import run_trainer
+
+    out = {}
+    for plan in ("data", "tensor", "pipeline"):
+        args = trainer_args(plan, steps=2, workdir=tmp)
+        args.checkpoint.no_save = True
+        out[plan] = run_trainer(args)["losses"]
+    return out
+
+
+@pytest.mark.slow
+def test_llama_data_tensor_and_pipeline_plans(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    losses = run_distributed(_llama_plans, 2, str(tmp_path), timeout=400)[0]
+    assert (tmp_path / "tokenizer.json").is_file()        # trained locally
+    assert all(math.isfinite(x) for plan in losses.values() for x in plan)
+    # tensor and pipeline parallel train one unit on the same batches: the same losses
+    torch.testing.assert_close(losses["tensor"], losses["pipeline"], rtol=1e-5, atol=0)
