@@ -16,15 +16,10 @@ from typing import Any
 import torch
 
 from nnscaler.anno import BoundAnno, Split, TransformRule, ValuePartial
-from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint, randn
+from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint, randn, tensor_str
 from nnscaler.ops.registry import OpRegistry
 
 # -- annotation helpers -----------------------------------------------------------------
-
-
-def _tensor(dims: Sequence[str]) -> str:
-    """One tensor entry; a 0-d tensor is ``1``."""
-    return " ".join(dims) if dims else "1"
 
 
 def _bcast(shapes: Sequence[Sequence[int]], prefix: str) -> tuple[list[list[str]], list[str]]:
@@ -53,7 +48,7 @@ def _fit(t: Any, out_dims: Sequence[str], out_shape: Sequence[int]) -> str:
     for i, n in enumerate(t.shape):
         j = off + i
         dims.append("1" if n == 1 and out_shape[j] != 1 else out_dims[j])
-    return _tensor(dims)
+    return tensor_str(dims)
 
 
 def _frozen(entry: str) -> str:
@@ -76,7 +71,7 @@ def linear_anno(input, weight, bias=None) -> str:
         out = [*lead, "n"]
         w = ["n", k]
     out_shape = [*input.shape[:-1], *weight.shape[:-1]]
-    return f"{_tensor([*lead, k])}, {_tensor(w)}, {_fit(bias, out, out_shape)} -> {_tensor(out)}"
+    return f"{tensor_str([*lead, k])}, {tensor_str(w)}, {_fit(bias, out, out_shape)} -> {tensor_str(out)}"
 
 
 def linear_rules(bound: BoundAnno) -> list[TransformRule]:
@@ -122,7 +117,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, str]:
     ta = ["k+"] if a.dim() == 1 else [*da, "m", "k+"]
     tb = ["k+"] if b.dim() == 1 else [*db, "k+", "n"]
     to = [*out, *(["m"] if a.dim() > 1 else []), *(["n"] if b.dim() > 1 else [])]
-    return _tensor(ta), _tensor(tb), _tensor(to)
+    return tensor_str(ta), tensor_str(tb), tensor_str(to)
 
 
 def matmul_anno(input, other) -> str:
@@ -197,10 +192,10 @@ def outer_anno(input, vec2) -> str:
 def inner_anno(input, other) -> str:
     if input.dim() == 0 or other.dim() == 0:  # a scalar times a tensor
         (da, db), out = _bcast([tuple(input.shape), tuple(other.shape)], "a")
-        return f"{_tensor(da)}, {_tensor(db)} -> {_tensor(out)}"
+        return f"{tensor_str(da)}, {tensor_str(db)} -> {tensor_str(out)}"
     da = [f"a{i}" for i in range(input.dim() - 1)]
     db = [f"b{i}" for i in range(other.dim() - 1)]
-    return f"{_tensor([*da, 'k+'])}, {_tensor([*db, 'k+'])} -> {_tensor([*da, *db])}"
+    return f"{tensor_str([*da, 'k+'])}, {tensor_str([*db, 'k+'])} -> {tensor_str([*da, *db])}"
 
 
 def vecdot_anno(x, y, *, dim=-1) -> str:
@@ -210,7 +205,7 @@ def vecdot_anno(x, y, *, dim=-1) -> str:
     dx = [n + "+" if n == name else n for n in dx]
     dy = [n + "+" if n == name else n for n in dy]
     rest = [n for i, n in enumerate(out) if i != d]
-    return f"{_tensor(dx)}, {_tensor(dy)} -> {_tensor(rest)}"
+    return f"{tensor_str(dx)}, {tensor_str(dy)} -> {tensor_str(rest)}"
 
 
 def bilinear_anno(input1, input2, weight, bias=None) -> str:
@@ -220,8 +215,8 @@ def bilinear_anno(input1, input2, weight, bias=None) -> str:
     out = [*lead, "o"]
     out_shape = [*input1.shape[:-1], weight.shape[0]]
     return (
-        f"{_tensor([*lead, 'i' + mark])}, {_tensor([*lead, 'j' + mark])}, o i{mark} j{mark}, "
-        f"{_fit(bias, out, out_shape)} -> {_tensor(out)}"
+        f"{tensor_str([*lead, 'i' + mark])}, {tensor_str([*lead, 'j' + mark])}, o i{mark} j{mark}, "
+        f"{_fit(bias, out, out_shape)} -> {tensor_str(out)}"
     )
 
 
@@ -240,7 +235,7 @@ def tensordot_anno(a, b, dims=2) -> str:
     for j, (i, k) in enumerate(zip(da, db, strict=True)):
         ta[i] = tb[k] = f"c{j}+"
     out = [n for i, n in enumerate(ta) if i not in da] + [n for i, n in enumerate(tb) if i not in db]
-    return f"{_tensor(ta)}, {_tensor(tb)} -> {_tensor(out)}"
+    return f"{tensor_str(ta)}, {tensor_str(tb)} -> {tensor_str(out)}"
 
 
 # -- einsum --------------------------------------------------------------------------------
@@ -366,7 +361,7 @@ def einsum_anno(*args) -> str:
             size = int(op.shape[k])
             dims.append("1" if size == 1 and label_size[lab] != 1 else name(lab) + mark(lab))
             k += 1
-        entries.append(_tensor(dims))
+        entries.append(tensor_str(dims))
     out = []
     out_shape: list[int] = []
     for lab in rhs:
@@ -377,10 +372,10 @@ def einsum_anno(*args) -> str:
             out.append(name(lab) + ("^" if lab in diagonal else ""))
             out_shape.append(label_size[lab])
     if whole:
-        return f"?, ? -> {_tensor([str(n) for n in out_shape])}"
+        return f"?, ? -> {tensor_str([str(n) for n in out_shape])}"
     for pos, entry in zip(positions, entries, strict=True):
         slots[pos] = entry
-    return f"{first}{', '.join(slots)} -> {_tensor(out)}"
+    return f"{first}{', '.join(slots)} -> {tensor_str(out)}"
 
 
 # -- grouped matmul (MoE experts) -----------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnscaler.checkpoint.errors import CheckpointError, StateDictMismatchError
+from nnscaler.errors import CheckpointError, StateDictMismatchError
 
 if TYPE_CHECKING:
     from nnscaler.runtime.module import AttrMeta, ParallelModule
