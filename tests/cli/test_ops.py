@@ -79,3 +79,32 @@ def test_bad_arguments():
         chunk_linear_cross_entropy(h, w.t(), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ChunkedLossError, match="reduction"):
         chunk_linear_cross_entropy(h, w, torch.zeros(3, dtype=torch.long), reduction="avg")
+
+
+@pytest.mark.parametrize("parts,reduction", [(2, "mean"), (3, "sum"), (4, "none")])
+def test_vocabulary_split_gives_the_unchunked_loss_and_gradients(parts, reduction):
+    from nnscaler.cli.ops import vocab_parallel_chunk_linear_cross_entropy
+    from nnscaler.ops.partgroup import run_parts
+
+    g = torch.Generator().manual_seed(parts)
+    vocab = 12
+    h = torch.randn(3, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, vocab, (3, 5), generator=g)
+    t[1, 2] = -100
+    rows = vocab // parts
+    outs = run_parts([
+        lambda group, p=p: vocab_parallel_chunk_linear_cross_entropy(
+            h, w[p * rows:(p + 1) * rows], t, reduction, chunk_size=4,
+            vocab_start=p * rows, vocab_size=vocab, group=group)
+        for p in range(parts)])
+    ref = F.cross_entropy((h @ w.t()).reshape(-1, vocab), t.reshape(-1), reduction=reduction)
+    ref = ref.reshape(t.shape) if reduction == "none" else ref
+    for out in outs:                       # every part holds the whole loss
+        torch.testing.assert_close(out, ref)
+    up = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    # the output is replicated: its gradient enters through one part (the others' share
+    # is zero); the parts' shares of hidden's gradient add up in the leaf
+    got = torch.autograd.grad(outs[0], (h, w), up)
+    want = torch.autograd.grad(ref, (h, w), up)
+    torch.testing.assert_close(got, want)
