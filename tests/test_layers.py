@@ -5,10 +5,12 @@
 - Every sub-package of ``nnscaler`` has a place in that contract.
 - The import graph between the packages of ``nnscaler`` (the facade ``nnscaler/__init__``
   aside, which re-exports from all of them) has no cycle.
+- No private name (``_x``) is imported from another package.
 """
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
@@ -125,3 +127,40 @@ def test_no_cycle_between_packages() -> None:
     assert "anno" in edges["ops"]  # the graph is read: ops builds on anno
     cycle = find_cycle(edges)
     assert cycle is None, f"packages import each other: {' -> '.join(cycle)}"
+
+
+def private_imports_across_packages(root: Path) -> list[str]:
+    """``from nnscaler.a.b import _name`` in a module outside package ``a`` (a private
+    name taken across packages), as ``file:line: module._name``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        package = parts[1] if len(parts) > 2 else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] == root.name):
+                continue
+            target = node.module.split(".")
+            owner = target[1] if len(target) > 1 else None
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and owner != package:
+                    found.append(f"{path}:{node.lineno}: {node.module}.{alias.name}")
+    return found
+
+
+def test_private_import_detector(tmp_path) -> None:
+    pkg = tmp_path / "nnscaler"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "b").mkdir()
+    (pkg / "a" / "x.py").write_text("from nnscaler.b.y import _hidden, shown\n")
+    (pkg / "b" / "z.py").write_text("from nnscaler.b.y import _hidden\n")  # same package
+    assert private_imports_across_packages(pkg) == [f"{pkg / 'a' / 'x.py'}:1: nnscaler.b.y._hidden"]
+
+
+def test_no_private_name_imported_across_packages() -> None:
+    found = private_imports_across_packages(Path(nnscaler.__file__).parent)
+    assert not found, (
+        "private names imported from another package (make them public in their owner, or "
+        "move them to the package that uses them): " + "; ".join(found)
+    )

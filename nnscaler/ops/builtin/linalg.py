@@ -294,7 +294,28 @@ def _einsum_terms(equation: str) -> tuple[list[list[str]], list[str] | None]:
     return [labels(t) for t in lhs.split(",")], None if rhs is None else labels(rhs)
 
 
+def _einsum_sizes(terms: list[list[str]], operands: list[Any]
+                  ) -> tuple[list[tuple[int, ...]], dict[str, int]]:
+    """The dims each operand's ellipsis stands for, and the size of each label (the
+    largest seen: a label of size 1 broadcasts)."""
+    ell_shapes: list[tuple[int, ...]] = []
+    label_size: dict[str, int] = {}
+    for term, op in zip(terms, operands, strict=True):
+        n_ell = op.dim() - (len(term) - term.count("..."))
+        ell_shapes.append(tuple(op.shape[term.index("...") : term.index("...") + n_ell]) if "..." in term else ())
+        k = 0
+        for lab in term:
+            if lab == "...":
+                k += n_ell
+                continue
+            label_size[lab] = max(label_size.get(lab, 1), int(op.shape[k]))
+            k += 1
+    return ell_shapes, label_size
+
+
 def einsum_anno(*args) -> str:
+    """The annotation of one ``torch.einsum`` call (equation or sublist form): labels
+    summed over are ``+``, repeated labels (diagonals) ``^``, broadcast size-1 dims ``1``."""
     if not args:
         raise TypeError("einsum() needs an equation and operands")
     if is_tensor(args[0]):  # sublist form: operands at even positions
@@ -316,19 +337,7 @@ def einsum_anno(*args) -> str:
     terms, rhs = _einsum_terms(equation)
     if len(terms) != len(operands):
         raise ValueError(f"einsum equation {equation!r} has {len(terms)} operands, got {len(operands)}")
-    # sizes of the labels, and the ellipsis dims of each operand (aligned on the right)
-    ell_shapes: list[tuple[int, ...]] = []
-    label_size: dict[str, int] = {}
-    for term, op in zip(terms, operands, strict=True):
-        n_ell = op.dim() - (len(term) - term.count("..."))
-        ell_shapes.append(tuple(op.shape[term.index("...") : term.index("...") + n_ell]) if "..." in term else ())
-        k = 0
-        for lab in term:
-            if lab == "...":
-                k += n_ell
-                continue
-            label_size[lab] = max(label_size.get(lab, 1), int(op.shape[k]))
-            k += 1
+    ell_shapes, label_size = _einsum_sizes(terms, operands)
     ell_dims, ell_out = _bcast(ell_shapes, "_e")
     counts: dict[str, int] = {}
     for term in terms:
