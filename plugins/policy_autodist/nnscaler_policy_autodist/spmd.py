@@ -82,8 +82,17 @@ def _tied(problem: StageProblem, choice_of_rep: dict[int, int]) -> tuple[int, ..
 def solve_ilp(problem: StageProblem, limit: float | None, inflight: int = 1, *,
               verbose: bool = False, time_limit: float = 120.0) -> Solution:
     """The exact optimum over tied choices (see the module docstring)."""
+    import warnings
+
     import pulp
 
+    with warnings.catch_warnings():  # pulp 3.3 announces its 4.0 API; 2.x lacks it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_ilp(pulp, problem, limit, inflight, verbose, time_limit)
+
+
+def _solve_ilp(pulp, problem: StageProblem, limit: float | None, inflight: int,  # noqa: ANN001
+               verbose: bool, time_limit: float) -> Solution:
     reps = sorted(set(problem.rep))
     node = {r: [0.0] * len(problem.options[r]) for r in reps}
     memv = {r: [0.0] * len(problem.options[r]) for r in reps}
