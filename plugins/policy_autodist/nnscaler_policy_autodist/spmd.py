@@ -142,7 +142,7 @@ def _solve_ilp(pulp, problem: StageProblem, limit: float | None, inflight: int, 
     prob += pulp.lpSum(objective)
     if limit is not None:
         prob += pulp.lpSum(m * v for r in reps for m, v in zip(memv[r], x[r])) <= limit
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit))
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, gapRel=1e-9))
     if pulp.LpStatus[status] != "Optimal":
         raise AutoDistError(f"policy 'autodist': the integer program has no solution "
                             f"({pulp.LpStatus[status]})")
