@@ -54,6 +54,8 @@ class Op:
       opaque op, the positional arguments. Tensors are :class:`SubTensor`, possibly inside
       lists (``torch.cat``); everything else is a constant;
     - ``kwargs``: every other argument, by name (constants; a tensor here is an input too);
+    - ``keywords``: the parameters the model's call passed by keyword (generated code
+      passes them by keyword again, as the user wrote them);
     - ``outputs``: the leaves of the value the function returned (a :class:`SubTensor` per
       tensor, constants otherwise) and ``output_spec``, how they nest;
     - ``mutations``: ``(before, after)`` per tensor the op changed in place: later ops see
@@ -72,6 +74,7 @@ class Op:
     anno: BoundAnno | None
     inputs: tuple[Any, ...] = attrs.field(converter=tuple)
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    keywords: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     outputs: tuple[Any, ...] = attrs.field(converter=tuple)
     output_spec: pytree.TreeSpec = attrs.field(repr=False)
     mutations: tuple[tuple[SubTensor, SubTensor], ...] = attrs.field(default=(), converter=tuple)

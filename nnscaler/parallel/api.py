@@ -299,7 +299,14 @@ class _Generator:
             runtime_ngpus=self.config.runtime_ngpus, state=module,
             end2end=self.config.use_end2end, inference_only=self.config.inference_only,
             compute_config=self.config, forward_signature=inspect.signature(module.forward),
+            origin={"module": files.class_path(self.cls), "policy": self._policy_name()},
         )
+
+    def _policy_name(self) -> str:
+        """The policy as the user named it (a registered name or a function's name)."""
+        if isinstance(self.pas_policy, str):
+            return repr(self.pas_policy)
+        return getattr(self.pas_policy, "__qualname__", repr(self.pas_policy))
 
 
 # -- rank 0 -> everyone -----------------------------------------------------------------

@@ -313,6 +313,7 @@ class Tracer:
         filename, line, source = self._where(func)
         name = opdef.name if opdef is not None else _func_name(func)
         anno, ir_inputs, ir_kwargs = None, None, None
+        keywords: frozenset[str] = frozenset()
         annotated = opdef is not None
         if opdef is not None:
             try:
@@ -337,6 +338,7 @@ class Tracer:
                 opdef, anno = None, None
             else:
                 ir_inputs, ir_kwargs = self._to_ir(call.inputs), self._to_ir(call.kwargs)
+                keywords = call.keywords
         if opdef is None:
             if not annotated:
                 self._warn_once(
@@ -383,6 +385,7 @@ class Tracer:
                 anno=anno,
                 inputs=tuple(ir_inputs),
                 kwargs=dict(ir_kwargs),
+                keywords=keywords,
                 outputs=tuple(ir_outputs),
                 output_spec=out_spec,
                 mutations=tuple(mutations),
