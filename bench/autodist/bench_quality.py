@@ -96,8 +96,9 @@ def _split(batch: dict[str, torch.Tensor], parts: int, part: int) -> dict[str, t
 def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
           profile_dir: str) -> tuple[Any, dict]:
     """(a step function, what autodist estimated) for one mode."""
-    from nnscaler import ComputeConfig, build_optimizer, parallelize
     from nnscaler_policy_autodist import plan_graph
+
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     pas: dict[str, Any] = {}
     policy = name
@@ -150,11 +151,10 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
 
 def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: int,
          gen: str, profile_dir: str, modes: tuple[str, ...]) -> dict:
-    import torch.distributed as dist
-
-    from nnscaler_policy_autodist import measure_comm
-
     import faulthandler
+
+    import torch.distributed as dist
+    from nnscaler_policy_autodist import measure_comm
 
     faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "1200")), exit=True)
     measure_comm(profile_dir)

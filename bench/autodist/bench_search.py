@@ -21,11 +21,11 @@ from types import SimpleNamespace
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from nnscaler_policy_autodist import plan_graph  # noqa: E402
 
 from nnscaler.graph import IRGraph  # noqa: E402
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch  # noqa: E402
 from nnscaler.trace import trace  # noqa: E402
-from nnscaler_policy_autodist import plan_graph  # noqa: E402
 
 TARGET_S = 30.0
 

@@ -26,8 +26,8 @@ class AutoDistError(PolicyError):
 
 #: The solvers of a stage: ``ilp`` (exact integer program, CBC through pulp), ``dp``
 #: (dynamic program over the live tensors of the program, exact for chain-like graphs),
-#: ``auto`` (``dp`` where its state stays small and the memory limit does not bind, else
-#: ``ilp``).
+#: ``auto`` (the ILP where repeated blocks are tied: its size does not grow with depth;
+#: else ``dp`` where its state stays small and the memory limit does not bind; else ``ilp``).
 SOLVERS = ("auto", "ilp", "dp")
 
 #: Every key of ``pas_config`` that ``autodist`` reads, with what it means.

@@ -147,13 +147,28 @@ def _plan_for(ops: Sequence[Op], n: int, s: int, model: CostModel, cfg: AutoDist
     bounds = [*starts, len(ops)]
     problems, sols = [], []
     for idx in range(s):
-        stage_ops = ops[bounds[idx]:bounds[idx + 1]]
-        problem = model.build(stage_ops, k, outs, all_ops=ops)
+        problem = _slice(whole, bounds[idx], bounds[idx + 1])
         held = inflight(cfg.pipeline_scheduler, s, idx, nmicros)
         problems.append(problem)
-        sols.append(solve(problem, limit, cfg.solver, held, verbose=cfg.verbose))
+        mine = evaluate(problem, sol.choice[bounds[idx]:bounds[idx + 1]], held, sol.solver)
+        if limit is None or mine.mem <= limit:  # the whole's choice fits: it is the best
+            sols.append(mine)
+        else:
+            sols.append(solve(problem, limit, cfg.solver, held, verbose=cfg.verbose))
     return (PipelinePlan(tuple(starts), k, nmicros, cfg.pipeline_scheduler,
                          step_time([x.time for x in sols], nmicros)), problems, sols)
+
+
+def _slice(problem: StageProblem, lo: int, hi: int) -> StageProblem:
+    """The ops ``lo .. hi-1`` of ``problem`` as a stage of their own: the same options,
+    the edges between them (a tensor from an earlier stage arrives by point-to-point
+    sends, lane by lane in the layout it was written, as the kernel moves it)."""
+    edges = tuple(attrs.evolve(e, src=e.src - lo, dst=e.dst - lo) for e in problem.edges
+                  if lo <= e.src < hi and lo <= e.dst < hi)
+    rep = tuple(r - lo if lo <= r < hi else i - lo
+                for i, r in enumerate(problem.rep[lo:hi], start=lo))
+    return StageProblem(ops=problem.ops[lo:hi], options=problem.options[lo:hi], edges=edges,
+                        rep=rep, k=problem.k)
 
 
 def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistConfig,

@@ -18,10 +18,10 @@ Both minimise ``sum(node time) + sum(edge cost)`` (see :mod:`.model`) subject to
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
 from nnscaler_policy_autodist.config import AutoDistError
 from nnscaler_policy_autodist.model import Option, StageProblem
@@ -193,6 +193,7 @@ def _dp(problem: StageProblem, lam: float, inflight: int, max_states: int) -> So
         first: dict[tuple, int] = {}
         cls.append([first.setdefault(tuple(tuple(e.cost[o]) for e in out_of[i]), o)
                     for o in range(len(problem.options[i]))])
+    mats = {id(e): np.asarray(e.cost, dtype=float) for e in problem.edges}
     frontier: tuple[int, ...] = ()
     states: dict[tuple[int, ...], float] = {(): 0.0}
     back: list[dict[tuple[int, ...], tuple[tuple[int, ...], int]]] = []
@@ -202,20 +203,27 @@ def _dp(problem: StageProblem, lam: float, inflight: int, max_states: int) -> So
         keep = [p for p, op in enumerate(frontier) if last_use[op] > j]
         live = last_use[j] > j
         new_front = tuple(frontier[p] for p in keep) + ((j,) if live else ())
+        local = np.array([o.time + lam * _mem(o, inflight) for o in opts])
+        ins = [(where[e.src], mats[id(e)]) for e in into[j]]
+        classes: dict[int, list[int]] = {}
+        for o in range(len(opts)):
+            classes.setdefault(cls[j][o] if live else 0, []).append(o)
+        groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for state in states:
+            groups.setdefault(tuple(state[p] for p in keep), []).append(state)
         nxt: dict[tuple[int, ...], float] = {}
         ptr: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
-        local = [o.time + lam * _mem(o, inflight) for o in opts]
-        ins = [(where[e.src], e.cost) for e in into[j]]
-        for state, cost in states.items():
-            base = tuple(state[p] for p in keep)
-            for o in range(len(opts)):
-                c = cost + local[o]
-                for p, m in ins:
-                    c += m[state[p]][o]
-                key = base + (cls[j][o],) if live else base
-                if c < nxt.get(key, math.inf):
-                    nxt[key] = c
-                    ptr[key] = (state, o)
+        for base, members in groups.items():
+            cost = np.array([states[m] for m in members])[:, None] + local[None, :]
+            for p, mat in ins:
+                cost += mat[[m[p] for m in members]]
+            for c, cols in classes.items():
+                sub = cost[:, cols]
+                flat = int(np.argmin(sub))
+                row, col = divmod(flat, len(cols))
+                key = base + (c,) if live else base
+                nxt[key] = float(sub[row, col])
+                ptr[key] = (members[row], cols[col])
         if len(nxt) > max_states:
             raise NotChainLike(f"{len(nxt)} states at op {j}")
         back.append(ptr)
@@ -235,7 +243,8 @@ def solve(problem: StageProblem, limit: float | None, solver: str, inflight: int
     need = min_memory(problem, inflight)
     if limit is not None and need > limit:
         raise NoPlanFits(need, limit)
-    if solver in ("auto", "dp"):
+    tied = len(set(problem.rep)) < len(problem.rep)
+    if solver == "dp" or (solver == "auto" and not tied):
         try:
             sol = solve_dp(problem, limit if solver == "dp" else None, inflight)
             if solver == "dp" or limit is None or sol.mem <= limit:
