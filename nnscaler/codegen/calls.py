@@ -12,6 +12,7 @@ with ``code_impl_pattern='source'`` (its source is copied into the generated fil
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
@@ -148,16 +149,43 @@ def _spell(fn: Any, name: str) -> tuple[str, str] | None:
     if public is not None:
         return public
     found = resolve(name)
-    if found is not None and _same(found[0], fn):
+    if found is not None and _reaches(found[0], fn):
         return name, found[1]
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if module and qualname and "<" not in qualname:
         path = f"{module}.{qualname}"
         found = resolve(path)
-        if found is not None and _same(found[0], fn):
+        if found is not None and _reaches(found[0], fn):
             return path, found[1]
     return None
+
+
+def _reaches(obj: Any, fn: Any) -> bool:
+    """``obj`` is ``fn``, or the function ``@register_op`` put in ``fn``'s place (the
+    decorator form): calling it outside a trace calls ``fn``."""
+    return _same(obj, fn) or (hasattr(obj, "__wrapped_op__")
+                              and _same(getattr(obj, "__wrapped__", None), fn))
+
+
+def _without_register_op(source: str) -> str:
+    """``source`` of a function less its ``@register_op(...)`` decorators (the generated
+    file calls the plain function; registering it again there would fail)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return source
+    lines = source.splitlines(keepends=True)
+    drop: set[int] = set()
+    for deco in node.decorator_list:
+        call = deco.func if isinstance(deco, ast.Call) else deco
+        name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if name == "register_op":
+            drop.update(range(deco.lineno - 1, (deco.end_lineno or deco.lineno)))
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def _source_def(fn: Any, where: str) -> tuple[str, str]:
@@ -172,7 +200,28 @@ def _source_def(fn: Any, where: str) -> tuple[str, str]:
     if not inspect.isfunction(fn) or not source.lstrip().startswith(("def ", "@")):
         raise CodegenError(f"{where}: code_impl_pattern='source' needs a plain function, got "
                            f"{fn!r}")
-    return fn.__name__, source
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        names = None
+    imports = []
+    if names is not None:
+        modules = {n: v for n, v in names.globals.items() if inspect.ismodule(v)}
+        foreign = sorted([n for n in names.globals if n not in modules] + list(names.nonlocals))
+        if foreign:
+            raise CodegenError(
+                f"{where}: the op was registered with code_impl_pattern='source', which copies "
+                f"the function {fn.__name__!r} alone into the generated file (with the modules "
+                f"it names), but it uses {', '.join(map(repr, foreign))} from around it. "
+                f"Make the function self-contained (import inside it), or register it with "
+                f"code_impl_pattern='import' at the top level of an importable module"
+            )
+        for alias, module in sorted(modules.items()):  # e.g. import torch.nn.functional as F
+            if module.__name__ != "torch" or alias != "torch":
+                imports.append(f"import {module.__name__}" if alias == module.__name__
+                               else f"import {module.__name__} as {alias}")
+    body = _without_register_op(source)
+    return fn.__name__, "\n".join(imports) + "\n\n\n" + body if imports else body
 
 
 _PLAIN = (type(None), bool, int, float, str)

@@ -20,6 +20,7 @@ import textwrap
 from typing import Any
 
 import attrs
+import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.codegen import recompute
@@ -202,20 +203,21 @@ class _Rank:
         body = list(prologue) + _render(blocks) + out_lines
         return self.with_recompute(body, [name for name, _ in self.p.args])
 
-    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool | None, list[str]]]:
+    def steps_body(self, steps: list[OpStep]) -> list[tuple[_Mode | None, list[str]]]:
         """This device's lines of ``steps``: blocks of lines, each with or without
-        gradients; a block ``(None, [marker])`` opens or closes a piece of a recompute
-        group (:mod:`nnscaler.codegen.recompute`), which adapters cut."""
-        blocks: list[tuple[bool | None, list[str]]] = []  # (no_grad, lines)
+        gradients and under the autocast its ops were traced in; a block ``(None,
+        [marker])`` opens or closes a piece of a recompute group
+        (:mod:`nnscaler.codegen.recompute`), which adapters cut."""
+        blocks: list[tuple[_Mode | None, list[str]]] = []  # ((no_grad, autocast), lines)
         open_: list[int] = []  # the key of the open piece, if any
 
-        def add(no_grad: bool | None, lines: list[str]) -> None:
+        def add(mode: _Mode | None, lines: list[str]) -> None:
             if not lines:
                 return
-            if no_grad is not None and blocks and blocks[-1][0] == no_grad:
+            if mode is not None and blocks and blocks[-1][0] == mode:
                 blocks[-1][1].extend(lines)
             else:
-                blocks.append((no_grad, list(lines)))
+                blocks.append((mode, list(lines)))
 
         def close() -> None:
             if open_:
@@ -231,7 +233,7 @@ class _Rank:
             group = op.plan.recompute if op is not None else None
             if adapter_lines:  # adapters run once, outside any recompute piece
                 close()
-                add(step.no_grad, adapter_lines)
+                add((step.no_grad, step.origin.autocast), adapter_lines)
             if op is None:
                 continue
             if open_ and self.segments[open_[0]].group != group:
@@ -252,7 +254,7 @@ class _Rank:
                 changed = tuple((self.mutated_var(step, before.full), self.p.graph.describe(op))
                                 for before, _ in op.mutations)
                 self.segments[open_[0]] = attrs.evolve(seg, inplace=seg.inplace + changed)
-            add(step.no_grad, lines)
+            add((step.no_grad, step.origin.autocast), lines)
         close()
         return blocks
 
@@ -276,8 +278,29 @@ class _Rank:
         self.methods += methods
         return new
 
+    def input_checks(self) -> list[str]:
+        """``boundary.check_inputs({...})``: every forward argument against what the module
+        was traced with (tensors: shape and dtype; Python values: the constant the code
+        holds), before anything runs."""
+        entries = [f"{leaf.access!r}: ({leaf.access}, {tuple(full.shape)!r}, "
+                   f"{literal(full.dtype)})"
+                   for full, leaf in self.p.leaves.items() if full.kind is TensorKind.INPUT]
+        if self.pipe is None:  # a pipeline stage takes the sample only
+            for name, default in self.p.args:
+                value = self.p.graph.inputs.get(name, default)
+                if default is not None:  # not traced: the code ran with the default
+                    entries.append(f"{name!r}: ({name}, {default})")
+                elif value is None or isinstance(value, (bool, int, float, str)):
+                    entries.append(f"{name!r}: ({name}, {literal(value)})")
+        if not entries:
+            return []
+        if len(entries) == 1:
+            return [f"boundary.check_inputs({{{entries[0]}}})"]
+        return ["boundary.check_inputs({", *(f"{_INDENT}{e}," for e in entries), "})"]
+
     def prologue(self) -> list[str]:
-        lines = []
+        # a pipeline checks every sample before its schedule runs (_check_inputs)
+        lines = self.input_checks() if self.pipe is None else []
         training = not self.p.inference_only
         for full, leaf in self.p.leaves.items():
             if full.kind is not TensorKind.INPUT:
@@ -567,6 +590,12 @@ class _Rank:
                 if stage.group == self.group:
                     methods += ["", *self.stage_method(stage)] if methods else \
                         self.stage_method(stage)
+            checks = self.input_checks()
+            if checks:
+                methods += ["", f"def _check_inputs(self, {self.p.args[0][0]}):",
+                            f'{_INDENT}"""A micro-batch against the traced sample (train_step and '
+                            f'infer_step check each before the schedule runs)."""',
+                            *(_INDENT + line for line in checks)]
         for extra in self.methods:  # the pieces of recompute groups
             methods += ["", *extra]
         init = self.init_lines()
@@ -638,13 +667,22 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _render(blocks: list[tuple[bool | None, list[str]]]) -> list[str]:
+#: How a block of generated lines runs: (no_grad, the autocast of its ops).
+_Mode = tuple[bool, tuple[tuple[str, torch.dtype], ...]]
+
+
+def _render(blocks: list[tuple[_Mode | None, list[str]]]) -> list[str]:
     body: list[str] = []
-    for no_grad, lines in blocks:
-        if no_grad is None:  # a recompute marker
+    for mode, lines in blocks:
+        if mode is None:  # a recompute marker
             body += lines
-        elif no_grad:
-            body.append("with torch.no_grad():")
+            continue
+        no_grad, autocast = mode
+        contexts = ["torch.no_grad()"] if no_grad else []
+        contexts += [f"torch.autocast({device!r}, dtype={literal(dtype)})"
+                     for device, dtype in autocast]
+        if contexts:
+            body.append(f"with {', '.join(contexts)}:")
             body += [_INDENT + line for line in lines]
         else:
             body += lines
