@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("nnscaler_policy_autodist").setLevel(logging.INFO)
+    logging.getLogger("nnscaler.autodist").setLevel(logging.INFO)
     import transformers
 
     from nnscaler import ComputeConfig, parallelize

@@ -24,7 +24,7 @@ from nnscaler.layout import Plan
 
 __all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "measure_comm"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
 GB = 1024**3
 #: The reducer's bucket size: gradients share one collective's latency per bucket.

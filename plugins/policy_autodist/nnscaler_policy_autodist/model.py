@@ -45,7 +45,7 @@ from nnscaler_policy_autodist.profile import ComputeProfiler
 
 __all__ = ["CostModel", "Edge", "Option", "StageProblem"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnscaler.autodist.model")  # under nnscaler's loggers
 
 
 @attrs.frozen(eq=False)

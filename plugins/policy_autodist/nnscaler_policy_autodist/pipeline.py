@@ -30,7 +30,7 @@ from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve
 
 __all__ = ["PipelinePlan", "inflight", "search_pipeline", "step_time"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnscaler.autodist.pipeline")  # under nnscaler's loggers
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ from nnscaler_policy_autodist.spmd import Solution
 
 __all__ = ["AutoDistResult", "autodist", "plan_graph"]
 
-logger = logging.getLogger("nnscaler_policy_autodist")
+logger = logging.getLogger("nnscaler.autodist")  # under nnscaler's loggers
 
 
 @attrs.frozen(eq=False)

@@ -38,7 +38,7 @@ from nnscaler_policy_autodist.comm import DeviceSpec
 
 __all__ = ["ComputeProfiler", "analytic_time", "device_key"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
 
 #: The most bytes of tensors one profiled call may hold (inputs and outputs).
 MAX_PROFILE_BYTES = 64 * 1024 * 1024

@@ -45,12 +45,13 @@ def text(result: AutoDistResult, top: int = TOP) -> str:
             o = problem.options[i][sol.choice[i]]
             edges = sum(e.cost[sol.choice[e.src]][sol.choice[e.dst]]
                         for e in problem.edges if e.dst == i)
-            costs.append((o.time + edges, o.compute, o.comm + edges, op, o))
+            costs.append((o.time + edges, o.compute, o.comm + edges, op,
+                          o.describe() if problem.k > 1 else "whole"))
         costs.sort(key=lambda c: -c[0])
-        for total, comp, comm, op, o in costs[:top]:
+        for total, comp, comm, op, how in costs[:top]:
             code = f" `{op.code.strip()}`" if op.code else ""
             lines.append(f"    {_ms(total)} (compute {_ms(comp)}, comm {_ms(comm)}) "
-                         f"{op.name} in {op.module_path or '<root>'}: {o.describe()} "
+                         f"{op.name} in {op.module_path or '<root>'}: {how} "
                          f"at {op.short_source}{code}")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ from nnscaler_policy_autodist.model import Option, StageProblem
 
 __all__ = ["NotChainLike", "Solution", "solve", "solve_dp", "solve_ilp"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nnscaler.autodist.spmd")  # under nnscaler's loggers
 
 #: The most frontier states the DP keeps before it declares a graph not chain-like.
 MAX_DP_STATES = 20000

@@ -199,7 +199,7 @@ def test_plan_for_another_graph_is_refused(gpt, tmp_path):
 
 # -- report ------------------------------------------------------------------------------
 def test_report_is_logged(gpt, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="nnscaler_policy_autodist"):
+    with caplog.at_level(logging.INFO, logger="nnscaler.autodist"):
         plan(gpt, 2, str(tmp_path))
     text = caplog.text
     assert "estimated step time" in text and "communication" in text
