@@ -70,13 +70,16 @@ def full_state(graph: Graph, state: torch.nn.Module | Mapping[str, torch.Tensor]
                     f"non-persistent buffers are not in its state_dict), or a mapping with "
                     f"every parameter and buffer by name"
                 )
-            tensor = value.detach().to("cpu").clone()
+            # a module on the meta device has no values: its entries stay meta (shape and
+            # dtype only), and loading them says how to get values (a checkpoint)
+            tensor = value.detach() if value.is_meta else value.detach().to("cpu").clone()
             for name in full.names:
                 out[name] = tensor
         elif full.kind is TensorKind.CONSTANT:
             if full.value is None:
                 raise CodegenError(f"the constant {full} has no recorded value")
-            out[f"__constants__.{full.name}"] = full.value.detach().to("cpu").clone()
+            value = full.value.detach()
+            out[f"__constants__.{full.name}"] = value if value.is_meta else value.to("cpu").clone()
     return out
 
 

@@ -110,6 +110,7 @@ class _Greedy:
         self.held: dict[FullTensor, Layout | None] = {}  # activations; weights: canonical
         self.outputs = {p.full for p in graph.output_tensors()}
         self._options: dict[Op, list[TPOption]] = {}
+        self.chosen: dict[Op, Transform | None] = {}  # what place() chose for each op
         # best (params, moves, now) of a reader given one input's layout; valid while
         # nothing is placed (weights placed by an op change what later readers pay)
         self._best: dict[tuple[Op, FullTensor, Layout | None, int],
@@ -253,12 +254,27 @@ class _Greedy:
                 continue
             logger.debug("tp: op #%d %s: %s (params %g B, moves %g B)", op.oid, op.name,
                          option, key[0], key[1])
+            self.chosen[op] = t
             assign_parts(self.graph, parts)
             self.record(parts)
             self._best.clear()
             return parts
         raise PartitionError(f"tp: {self.graph.describe(op)} could be neither split nor "
                              f"replicated")  # replicate never fails
+
+    def place_as(self, op: Op, t: Transform | None) -> list[Op] | None:
+        """Place ``op`` as ``t`` (a choice made for an identical op); ``None`` when the
+        graph refuses it (then :meth:`place` decides)."""
+        try:
+            parts = (self.graph.replicate(op, self.n) if t is None else
+                     self.graph.partition(op, idx=t.idx, dim=t.dim, num=self.n))
+        except PartitionError:
+            return None
+        self.chosen[op] = t
+        assign_parts(self.graph, parts)
+        self.record(parts)
+        self._best.clear()
+        return parts
 
     def record(self, parts: list[Op]) -> None:
         """Hold what the placed ``parts`` wrote, and the canonical layout of the weights
@@ -313,7 +329,63 @@ def tp(graph: Graph, compute_config: Any) -> IRGraph:
             g.assign(op, 0)
     else:
         greedy = _Greedy(g, n, lookahead, bytes_per_mac)
+        reuse = _BlockReuse(g.nodes())
         for op in g.nodes():
-            greedy.place(op)
+            t = reuse.choice_for(op, greedy)
+            if t is _SCORE or greedy.place_as(op, t) is None:
+                greedy.place(op)
     g.check(n)
     return g
+
+
+_SCORE = object()  # no reusable choice: score the op
+
+
+class _BlockReuse:
+    """Choices of repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) made
+    once and reused: the greedy's choice for an op depends on the layouts its block's
+    inputs are held in and on what its lookahead sees, so the second instance of a block
+    (whose inputs come from an instance, not from the stem) is scored, and every later
+    instance but the last (whose lookahead sees the model's head) takes its choices
+    when its inputs from outside the block are held in the same layouts. The plan is
+    the one the greedy makes op by op, in a fraction of the time."""
+
+    def __init__(self, ops: list[Op]) -> None:
+        from nnscaler.graph.blocks import repeated_blocks
+
+        self.template: dict[Op, tuple[Op, Op, Op]] = {}  # op -> (its op in the template,
+        #                                                  its block's first op, template's)
+        self.inputs: dict[Op, list[tuple[FullTensor, FullTensor]]] = {}
+        for kind in repeated_blocks(ops):
+            if len(kind.instances) < 4:
+                continue
+            tpl = kind.instances[1]
+            for inst in kind.instances[2:-1]:
+                for a, b in zip(inst.ops, tpl.ops):
+                    self.template[a] = (b, inst.ops[0], tpl.ops[0])
+                self.inputs[inst.ops[0]] = _outside(inst.ops, tpl.ops)
+        self.ok: dict[Op, bool] = {}
+
+    def choice_for(self, op: Op, greedy: _Greedy) -> Any:
+        if op not in self.template:
+            return _SCORE
+        tpl, first, _ = self.template[op]
+        if first not in self.ok:
+            self.ok[first] = all(
+                greedy._source(mine) == greedy._source(theirs)
+                for mine, theirs in self.inputs[first])
+        if not self.ok[first] or tpl not in greedy.chosen:
+            return _SCORE
+        return greedy.chosen[tpl]
+
+
+def _outside(ops: tuple[Op, ...], tpl: tuple[Op, ...]) -> list[tuple[FullTensor, FullTensor]]:
+    """The tensors the ops of a block read from outside it (activations and forward
+    arguments), paired with the template's at the same place."""
+    made = {y.full for op in ops for y in op.output_tensors()}
+    pairs = []
+    for a, b in zip(ops, tpl):
+        for x, y in zip(a.input_tensors(), b.input_tensors()):
+            if x.full not in made and not _is_weight(x.full):
+                pairs.append((x.full, y.full))
+    return pairs

@@ -251,6 +251,14 @@ class ParallelModule(torch.nn.Module):
                         f"{attr}); the file does not belong to this generated code: generate "
                         f"again"
                     )
+                if full.is_meta:
+                    raise ParallelModuleError(
+                        f"{path} holds no value for {meta.kind} {meta.orig_name!r}: the module "
+                        f"was compiled on the meta device, where tensors have shapes but no "
+                        f"data. Construct with init_params=False (parallelize(..., "
+                        f"init_module_params=False)) and load a checkpoint "
+                        f"(nnscaler.load_merged_state_dicts or load_state_dict)"
+                    )
                 if tuple(full.shape) != meta.shape:
                     raise ParallelModuleError(
                         f"{path}: {meta.orig_name!r} has shape {tuple(full.shape)}, but the "

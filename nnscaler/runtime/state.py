@@ -226,7 +226,7 @@ def _shared_storage_groups(gen_dir: Path, names: set[str]) -> list[tuple[str, ..
     by_ptr: dict[tuple[int, int], list[str]] = {}
     for name in names:
         t = state.get(name)
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not t.is_meta:  # meta: no storage to compare
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             by_ptr.setdefault(key, []).append(name)
     return [tuple(v) for v in by_ptr.values() if len(v) > 1]

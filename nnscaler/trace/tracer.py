@@ -493,27 +493,50 @@ class Tracer:
         return state
 
     def _register_inputs(self, args: dict[str, Any]) -> dict[str, Any]:
+        """One graph input per tensor leaf of every argument, and the tensors forward runs on.
+
+        Each leaf runs as a tensor object of its own, so that nothing else the tracer sees
+        can be mistaken for it: the same dummy tensor given twice (``{'x': t, 'y': t}``),
+        an input that is a parameter or buffer, or a tensor the model also holds as a
+        constant, would otherwise share one graph tensor, and the generated code would read
+        one argument where the model read another (at run time they can differ). A leaf
+        that shares memory with a parameter, a buffer or an earlier input (``y = x[0]``,
+        ``x.t()``) runs on a copy, so that an in-place write to one does not reach the other
+        while tracing either."""
         call_args = {}
+        taken = {_storage(t) for t in self._alive.values()}  # parameters and buffers
         for name, value in args.items():
             leaves, spec = pytree.tree_flatten_with_path(value)
             ir_leaves, run_leaves = [], []
             for path, leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
-                    if id(leaf) not in self._ir:  # the same tensor twice is one input
-                        full = self.graph.new_tensor(
-                            shape=tuple(leaf.shape), dtype=leaf.dtype,
-                            requires_grad=leaf.requires_grad, kind=TensorKind.INPUT,
-                            names=(name + pytree.keystr(path),),
-                        )
-                        self._track(leaf, full.whole())
-                    ir_leaves.append(self._ir[id(leaf)])
-                    run_leaves.append(self._to_meta(leaf) if self.meta else leaf)
+                    full = self.graph.new_tensor(
+                        shape=tuple(leaf.shape), dtype=leaf.dtype,
+                        requires_grad=leaf.requires_grad, kind=TensorKind.INPUT,
+                        names=(name + pytree.keystr(path),),
+                    )
+                    run = self._input_tensor(leaf, taken)
+                    ir_leaves.append(self._track(run, full.whole()))
+                    run_leaves.append(run)
                 else:
                     ir_leaves.append(self._leaf_to_ir(leaf))
                     run_leaves.append(leaf)
             self.graph.inputs[name] = pytree.tree_unflatten(ir_leaves, spec)
             call_args[name] = pytree.tree_unflatten(run_leaves, spec)
         return call_args
+
+    def _input_tensor(self, leaf: torch.Tensor, taken: set[int]) -> torch.Tensor:
+        """A new tensor object for one input leaf (see :meth:`_register_inputs`): on meta,
+        a meta copy; else the leaf's data, copied when its memory is ``taken`` already."""
+        if self.meta:
+            run = leaf.detach().to("meta")
+        else:
+            storage = _storage(leaf)
+            run = leaf.detach().clone() if storage in taken else leaf.detach()
+            taken.add(storage)
+        if leaf.requires_grad:
+            run.requires_grad_(True)
+        return run
 
     def run(self, dummy_forward_args: Any) -> Graph:
         args = check_forward_args(self.module, dummy_forward_args)

@@ -1,0 +1,239 @@
+"""Plan quality of ``autodist`` on CPU with gloo: its step time against the fastest of
+``dp``, ``data``, ``tp`` and ``hybrid``, measured in the same processes, interleaved, and
+its estimated step time against the measured one.
+
+Every mode trains the same global batch per step (``--batch`` samples) with Adam through
+``train_step`` (end2end modules): ``dp`` has ``world`` scale units of one device, each on
+``batch / world`` samples; ``data``, ``tp`` and ``hybrid`` (``pipeline_nstages=2``, two
+micro-batches) have one unit of ``world`` devices on the whole batch. ``autodist`` plans
+both unit sizes (``plan_ngpus=1`` and ``plan_ngpus=world`` with ``pipeline_nstages='auto'``
+and ``pipeline_nmicros=2``) and keeps the one whose *estimated* step time is lower (the
+choice is autodist's, before anything is measured); both are timed. The communication
+figures come from :func:`nnscaler_policy_autodist.measure_comm` on the benchmark's own
+process group, the compute profile from ``--profile-dir``.
+
+Models: an MLP, the project's GPT at 4 and 24 layers, Hugging Face Llama and Mixtral
+(tiny, random weights). Each case reports the median step (slowest rank) of every mode,
+autodist's ratio to the best baseline (goal <= 1.05) and estimate / measured.
+
+Usage::
+
+    python bench/autodist/bench_quality.py [--world 2] [--models mlp gpt4 gpt24 llama mixtral]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+from _launch import launch, time_modes  # noqa: E402
+from torch import nn  # noqa: E402
+
+BASELINES = ("dp", "data", "tp", "hybrid")
+TARGET = 1.05
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        from nnscaler.models import MLP, MLPConfig
+
+        return MLP(MLPConfig(d_in=256, d_hidden=1024, n_classes=16, n_layers=4))
+    if kind.startswith("gpt"):
+        from nnscaler.models import GPTConfig, GPTWithLoss
+
+        return GPTWithLoss(GPTConfig(vocab_size=1024, n_layer=int(kind[3:]), n_head=8,
+                                     d_model=256, seq_len=64))
+    import transformers
+
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                       num_hidden_layers=4, num_attention_heads=8,
+                                       num_key_value_heads=4, vocab_size=1024,
+                                       max_position_embeddings=128)
+        return WithLoss(transformers.LlamaForCausalLM(cfg))
+    cfg = transformers.MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=1024, num_local_experts=4, num_experts_per_tok=2,
+                                     max_position_embeddings=128)
+    return WithLoss(transformers.MixtralForCausalLM(cfg))
+
+
+def make_batch(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mlp":
+        return {"x": torch.randn(n, 256, generator=g), "y": torch.randint(16, (n,), generator=g)}
+    if kind.startswith("gpt"):
+        ids = torch.randint(1024, (n, 64), generator=g)
+        return {"input_ids": ids, "labels": ids.roll(-1, 1)}
+    ids = torch.randint(1024, (n, 64), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _split(batch: dict[str, torch.Tensor], parts: int, part: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(parts)[part] for k, v in batch.items()}
+
+
+def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
+          profile_dir: str) -> tuple[Any, dict]:
+    """(a step function, what autodist estimated) for one mode."""
+    from nnscaler_policy_autodist import plan_graph
+
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+
+    pas: dict[str, Any] = {}
+    policy = name
+    if name == "dp":
+        plan = 1
+    elif name == "hybrid":
+        plan, pas = world, {"pipeline_nstages": 2, "pipeline_nmicros": 2}
+    elif name == "autodist_1":
+        plan, policy, pas = 1, "autodist", {"profile_dir": profile_dir}
+    elif name == "autodist_n":
+        plan, policy = world, "autodist"
+        pas = {"profile_dir": profile_dir, "pipeline_nstages": "auto", "pipeline_nmicros": 2}
+    else:
+        plan = world
+    units = world // plan
+    unit = rank // plan
+    mine = _split(batch, units, unit)
+    info: dict[str, Any] = {}
+    captured: dict[str, Any] = {}
+    if policy == "autodist":
+
+        def policy_fn(graph, cfg):  # noqa: ANN001, ANN202 - autodist, keeping its result
+            g, result = plan_graph(graph, cfg)
+            captured["result"] = result
+            return g
+
+        policy = policy_fn
+    micro = 2 if name == "hybrid" else 1
+    cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
+                        pas_config=pas)
+    if name == "autodist_n":
+        # a pipeline needs its micro-batches; ask autodist first (rank 0 plans)
+        micro = 2
+    samples = [_split(mine, micro, m) for m in range(micro)]
+    pm = parallelize(make_model(kind), {"batch": samples[0]}, policy, cfg, gen_savedir=gen,
+                     instance_name=f"{kind}_{name}")
+    if rank == 0 and "result" in captured:
+        r = captured["result"]
+        info = {"estimate_ms": r.pipeline.step_time * 1e3, "stages": r.pipeline.nstages,
+                "k": r.pipeline.k, "search_s": r.search_seconds}
+    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+
+    def step() -> torch.Tensor:
+        loss = pm.train_step(samples)[0]
+        opt.step()
+        return loss
+
+    return step, info
+
+
+def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: int,
+         gen: str, profile_dir: str, modes: tuple[str, ...]) -> dict:
+    import faulthandler
+
+    import torch.distributed as dist
+    from nnscaler_policy_autodist import measure_comm
+
+    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "1200")), exit=True)
+    measure_comm(profile_dir)
+    batch = make_batch(kind, batch_size, seed=0)
+    fns, infos, failed = {}, {}, {}
+    for name in modes:
+        try:
+            fns[name], infos[name] = _mode(name, kind, world, rank, batch, gen, profile_dir)
+        except Exception as e:  # noqa: BLE001 - a policy that cannot plan the model
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        dist.barrier()
+    out = time_modes(fns, steps, warmup)
+    out.update(infos=infos, failed=failed)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=["mlp", "gpt4", "gpt24", "llama", "mixtral"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--modes", nargs="+", default=[*BASELINES, "autodist_1", "autodist_n"])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
+                                                          "nnscaler-autodist-bench"))
+    args = ap.parse_args()
+    modes = tuple(args.modes)
+    rows = []
+    print(f"CPU, gloo, {args.world} processes of one thread each; global batch {args.batch}; "
+          f"{args.steps} timed steps after {args.warmup} (median of the per-step max over "
+          f"ranks; the machine is shared, modes interleaved step by step)")
+    for kind in args.models:
+        with tempfile.TemporaryDirectory() as gen:
+            try:
+                results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
+                                 gen, args.profile_dir, modes)
+            except RuntimeError as e:
+                print(f"{kind}: failed: {str(e)[-400:]}")
+                rows.append({"model": kind, "error": str(e)[-400:]})
+                continue
+        failed = results[0]["failed"]
+        med = {}
+        for m in results[0]["times"]:
+            per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
+            med[m] = statistics.median(per_step)
+        infos = results[0]["infos"]
+        ran = [m for m in ("autodist_1", "autodist_n") if m in med and "estimate_ms" in
+               infos.get(m, {})]
+        chosen = min(ran, key=lambda m: infos[m]["estimate_ms"]) if ran else None
+        base = {m: med[m] for m in BASELINES if m in med}
+        best = min(base, key=base.get) if base else None
+        row = {"model": kind, "median_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
+               "failed": failed, "autodist_choice": chosen,
+               "autodist": {m: infos[m] for m in ran}}
+        if chosen and best:
+            row["ratio_vs_best"] = round(med[chosen] / base[best], 3)
+            row["best_baseline"] = best
+            row["estimate_over_measured"] = {m: round(infos[m]["estimate_ms"] / 1e3 / med[m], 3)
+                                             for m in ran}
+        rows.append(row)
+        shown = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in med.items())
+        print(f"{kind}: {shown} ms; failed: {failed or 'none'}")
+        if chosen and best:
+            print(f"  autodist chose {chosen} (estimates: "
+                  + ", ".join(f"{m} {infos[m]['estimate_ms']:.1f} ms, {infos[m]['stages']}x"
+                              f"{infos[m]['k']}" for m in ran)
+                  + f"); {med[chosen] * 1e3:.1f} ms vs best baseline {best} "
+                  f"{base[best] * 1e3:.1f} ms: ratio {row['ratio_vs_best']} (goal <= {TARGET}); "
+                  f"estimate/measured {row['estimate_over_measured']}")
+    ratios = [r["estimate_over_measured"][r["autodist_choice"]] for r in rows
+              if r.get("estimate_over_measured")]
+    if ratios:
+        errs = sorted(abs(x - 1) for x in ratios)
+        print(f"median |estimate/measured - 1| of the chosen plans: {statistics.median(errs):.3f}"
+              f" (goal <= 0.25)")
+    print(json.dumps({"bench": "autodist_quality", "world": args.world, "batch": args.batch,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Plan only, at scale: a Hugging Face Llama with 70B-shaped layers (hidden 8192, MLP
+28672, 64 heads, 8 KV heads, vocabulary 128256), 80 layers, built on the meta device (its
+70B parameters would not fit in memory), sequence 4096, micro-batch 1, for 1024 H100s:
+``parallelize(..., load_module=False)`` with ``trace_strategy='meta'`` and autodist with
+``device_type='H100'`` (analytic compute, NVLink/InfiniBand figures), ``plan_ngpus=64``
+(the rest is data parallelism across 16 scale units, ZeRO on), ``pipeline_nstages='auto'``,
+16 micro-batches, at most 8-way tensor parallelism (one node), 80 GB per device. Prints
+the phases and the plan report; goal under 60 s on this 2-core machine.
+
+Usage::
+
+    python bench/autodist/bench_scale.py [--layers 80] [--plan-ngpus 64] [--runtime-ngpus 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+TARGET_S = 60.0
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--plan-ngpus", type=int, default=64)
+    ap.add_argument("--runtime-ngpus", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=4096)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("nnscaler.autodist").setLevel(logging.INFO)
+    import transformers
+
+    from nnscaler import ComputeConfig, parallelize
+
+    t0 = time.perf_counter()
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672,
+                                   num_hidden_layers=args.layers, num_attention_heads=64,
+                                   num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=args.seq, torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = WithLoss(transformers.LlamaForCausalLM(cfg)).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    built = time.perf_counter() - t0
+    ids = torch.zeros(1, args.seq, dtype=torch.long)
+    compute = ComputeConfig(
+        plan_ngpus=args.plan_ngpus, runtime_ngpus=args.runtime_ngpus, use_end2end=True,
+        use_zero=True, trace_strategy="meta",
+        pas_config={"device_type": "H100", "mem_constraint": 80, "pipeline_nstages": "auto",
+                    "pipeline_nmicros": 16, "max_partition_degree": 8})
+    with tempfile.TemporaryDirectory() as gen:
+        t1 = time.perf_counter()
+        parallelize(model, {"batch": {"input_ids": ids, "labels": ids}}, "autodist", compute,
+                    gen_savedir=gen, load_module=False)
+        seconds = time.perf_counter() - t1
+        files = sorted(name for _, _, names in os.walk(gen) for name in names)
+    print(f"Llama {args.layers} layers, {params / 1e9:.1f} B parameters (meta), built in "
+          f"{built:.1f} s; parallelize(load_module=False) for {args.runtime_ngpus} devices "
+          f"(plan_ngpus {args.plan_ngpus}): {seconds:.1f} s (goal < {TARGET_S} s): "
+          f"{'ok' if seconds < TARGET_S else 'MISSED'}; {len(files)} files written")
+    print(json.dumps({"bench": "autodist_scale", "layers": args.layers, "params": params,
+                      "parallelize_s": round(seconds, 1), "files": len(files)}))
+
+
+if __name__ == "__main__":
+    main()

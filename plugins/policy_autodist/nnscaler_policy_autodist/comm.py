@@ -1,0 +1,191 @@
+"""Device figures and the communication model: the time of a layout plan's steps.
+
+A step of a :class:`nnscaler.layout.Plan` moves ``step.cost`` elements through its
+busiest device, over groups of ``g`` devices. Its time is ``latency * (g - 1) + bytes /
+bandwidth``, with the bandwidth of NVLink (or the local fabric) when the group stays in
+one node and of the network otherwise. The figures come from a measurement on the present
+process group (:func:`measure_comm`, cached in the profile directory) or, for a named
+device type, from :data:`DEVICE_SPECS` (public figures; a plan for a cluster that is not
+here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+
+from nnscaler.layout import Plan
+
+__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "measure_comm"]
+
+logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
+
+GB = 1024**3
+#: The reducer's bucket size: gradients share one collective's latency per bucket.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@attrs.frozen(kw_only=True)
+class DeviceSpec:
+    """What the cost model needs to know about one kind of device.
+
+    ``flops``: dense matmul throughput (FLOP/s) for the model's dtype class it is used
+    with; ``mem_bw``: memory bandwidth (B/s), for ops that only move data; ``memory``:
+    bytes per device; ``intra_bw``/``inter_bw``: bytes/s one device sends inside a node
+    and across nodes; ``intra_lat``/``inter_lat``: seconds per hop; ``per_node``: devices
+    per node; ``launch``: seconds of overhead per op.
+    """
+
+    name: str
+    flops: float
+    mem_bw: float
+    memory: float
+    intra_bw: float
+    inter_bw: float
+    intra_lat: float
+    inter_lat: float
+    per_node: int
+    launch: float
+
+
+#: Public figures (datasheets; NCCL bus bandwidths that reach ~80% of link rate).
+#: H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 4 at 450 GB/s per
+#: direction, InfiniBand NDR 400 Gb/s (50 GB/s) per GPU. A100 SXM: 312 TFLOP/s, 2.0 TB/s,
+#: 80 GB, NVLink 3 at 300 GB/s, HDR 200 Gb/s (25 GB/s). ``cpu``: one core of this
+#: project's machines with gloo over loopback (measured here; replace by measure_comm).
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    "H100": DeviceSpec(name="H100", flops=989e12 * 0.5, mem_bw=3.35e12 * 0.7, memory=80 * GB,
+                       intra_bw=450e9 * 0.8, inter_bw=50e9 * 0.8, intra_lat=8e-6,
+                       inter_lat=20e-6, per_node=8, launch=5e-6),
+    "A100": DeviceSpec(name="A100", flops=312e12 * 0.5, mem_bw=2.0e12 * 0.7, memory=80 * GB,
+                       intra_bw=300e9 * 0.8, inter_bw=25e9 * 0.8, intra_lat=10e-6,
+                       inter_lat=25e-6, per_node=8, launch=5e-6),
+    "cpu": DeviceSpec(name="cpu", flops=2 * 30e9, mem_bw=8e9, memory=8 * GB, intra_bw=1.5e9,
+                      inter_bw=1.5e9, intra_lat=60e-6, inter_lat=60e-6, per_node=64,
+                      launch=4e-6),
+}
+
+
+@attrs.frozen
+class CommModel:
+    """Seconds of communication for plans over the devices of one scale unit."""
+
+    spec: DeviceSpec
+
+    def step_time(self, groups: Iterable[tuple[int, ...]], elements: float,
+                  itemsize: int) -> float:
+        groups = list(groups)
+        if not groups or elements <= 0:
+            return 0.0
+        g = max(len(set(grp)) for grp in groups)
+        cross = any(len({d // self.spec.per_node for d in grp}) > 1 for grp in groups)
+        bw = self.spec.inter_bw if cross else self.spec.intra_bw
+        lat = self.spec.inter_lat if cross else self.spec.intra_lat
+        return lat * max(g - 1, 1) + elements * itemsize / bw
+
+    def plan_time(self, p: Plan | None, itemsize: int, numel: int, grad: bool) -> float:
+        """Forward (and, with ``grad``, backward) time of plan ``p``; a move without a plan
+        (pieces that form no layout) costs the whole tensor once each way."""
+        if p is None:
+            once = self.spec.intra_lat + numel * itemsize / self.spec.intra_bw
+            return 2 * once if grad else once
+        total = self._steps(p, itemsize)
+        if grad and p.steps:
+            total += self._steps(p.adjoint(), itemsize)
+        return total
+
+    def _steps(self, p: Plan, itemsize: int) -> float:
+        return sum(self.step_time([g.src + g.dst for g in s.groups], s.cost, itemsize)
+                   for s in p.steps if s.cost > 0)
+
+    def allreduce_time(self, nbytes: float, g: int, *, cross: bool = False,
+                       bucketed: bool = True) -> float:
+        """A ring all-reduce of ``nbytes`` over ``g`` devices. Gradients are synchronised
+        in buckets (``bucketed``): their latency is shared by :data:`BUCKET_BYTES`."""
+        if g <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.spec.inter_bw if cross else self.spec.intra_bw
+        lat = 2 * (g - 1) * (self.spec.inter_lat if cross else self.spec.intra_lat)
+        if bucketed:
+            lat *= min(1.0, nbytes / BUCKET_BYTES)
+        return lat + 2 * (g - 1) / g * nbytes / bw
+
+
+def _cache_file(profile_dir: Path, device: str) -> Path:
+    return Path(profile_dir) / f"comm-{device}.json"
+
+
+def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23),
+                 repeat: int = 5) -> dict[str, float] | None:
+    """Measure all-reduce on the present ``torch.distributed`` group and cache the fitted
+    latency and bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
+    of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
+    Returns the figures, or ``None`` without a process group of two or more ranks.
+
+    ``autodist`` runs on rank 0 only (inside ``parallelize``), where it cannot start a
+    collective, so call this once before ``parallelize``; the plan then uses the figures.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    from nnscaler.runtime.device import current_device, device_type
+
+    dev = current_device() if device_type() == "cuda" else torch.device("cpu")
+    g = dist.get_world_size()
+    points = []
+    for size in sizes:
+        x = torch.ones(size // 4, dtype=torch.float32, device=dev)
+        dist.all_reduce(x)
+        dist.barrier()
+        best = math.inf
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        points.append((size, best))
+    # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    k = 2 * (g - 1) / g
+    bw = k * (s1 - s0) / max(t1 - t0, 1e-9)
+    lat = max((t0 - k * s0 / bw) / (2 * (g - 1)), 1e-7)
+    figures = {"lat": lat, "bw": bw, "group": g}
+    if dist.get_rank() == 0:
+        path = _cache_file(Path(profile_dir), device_type())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(figures, indent=1))
+        tmp.replace(path)
+    return figures
+
+
+def device_spec(device: str | None, profile_dir: Path) -> DeviceSpec:
+    """The figures for ``device`` (a name of :data:`DEVICE_SPECS`), or for the present
+    device type with measured communication figures where :func:`measure_comm` cached
+    them."""
+    if device is not None and device not in ("cpu", "cuda"):
+        return DEVICE_SPECS[device]
+    from nnscaler.runtime.device import device_type
+
+    kind = device or device_type()
+    base = DEVICE_SPECS["cpu"] if kind == "cpu" else DEVICE_SPECS["H100"]
+    path = _cache_file(profile_dir, kind)
+    if path.is_file():
+        try:
+            fig = json.loads(path.read_text())
+            return attrs.evolve(base, name=kind, intra_bw=float(fig["bw"]),
+                                inter_bw=float(fig["bw"]), intra_lat=float(fig["lat"]),
+                                inter_lat=float(fig["lat"]))
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("autodist: ignoring the unreadable communication profile %s (%s)",
+                           path, e)
+    return attrs.evolve(base, name=kind)

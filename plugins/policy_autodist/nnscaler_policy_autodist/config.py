@@ -1,0 +1,173 @@
+"""The ``pas_config`` keys of ``autodist``, checked once into a frozen :class:`AutoDistConfig`.
+
+Every key is optional. An unknown key is an error that names it and the closest known
+key: a misspelt ``mem_constriant`` must not silently plan without a memory limit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from nnscaler.policies import PolicyError
+
+__all__ = ["KEYS", "SOLVERS", "AutoDistConfig", "AutoDistError", "parse_config"]
+
+
+class AutoDistError(PolicyError):
+    """``autodist`` cannot plan with the configuration it was given (the message says
+    why, the value seen, and the fix)."""
+
+
+#: The solvers of a stage: ``ilp`` (exact integer program, CBC through pulp), ``dp``
+#: (dynamic program over the live tensors of the program, exact for chain-like graphs),
+#: ``auto`` (the ILP where repeated blocks are tied: its size does not grow with depth;
+#: else ``dp`` where its state stays small and the memory limit does not bind; else ``ilp``).
+SOLVERS = ("auto", "ilp", "dp")
+
+#: Every key of ``pas_config`` that ``autodist`` reads, with what it means.
+KEYS: dict[str, str] = {
+    "mem_constraint": "memory per device in GB (default: the device's memory)",
+    "pipeline_nstages": "pipeline stages: an int, or 'auto' to search (default 1)",
+    "pipeline_nmicros": "micro-batches of each train_step (needed for a pipeline)",
+    "pipeline_scheduler": "a registered schedule for the pipeline (default '1f1b')",
+    "recompute_modules": "module classes or paths whose activations are recomputed",
+    "partition_constraints_path": "a YAML file of ops/modules with their allowed splits",
+    "load_plan_path": "a JSON plan to replay (choices kept, costs re-derived)",
+    "save_plan_path": "where to write the JSON plan that was chosen",
+    "solver": "'auto', 'ilp' or 'dp'",
+    "max_partition_degree": "the largest tensor-parallel degree of a stage",
+    "device_type": "plan for a named device ('cpu', 'H100', 'A100', ...) instead of this one",
+    "profile_dir": "where measured op and communication times are cached",
+    "verbose": "log every op's choice and the solver's progress",
+    "plot_path": "save a picture of the plan there (needs the [plot] extra)",
+}
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(key, list(KEYS), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _bad(key: str, value: Any, want: str) -> AutoDistError:
+    return AutoDistError(f"policy 'autodist': pas_config[{key!r}] is {KEYS[key]}; it must "
+                         f"be {want}, got {value!r}")
+
+
+def default_profile_dir() -> Path:
+    """``$NNSCALER_AUTODIST_CACHE``, else ``~/.cache/nnscaler/autodist``."""
+    env = os.environ.get("NNSCALER_AUTODIST_CACHE", "").strip()
+    return Path(env) if env else Path.home() / ".cache" / "nnscaler" / "autodist"
+
+
+@attrs.frozen(kw_only=True)
+class AutoDistConfig:
+    """What ``autodist`` was asked for (see :data:`KEYS`)."""
+
+    mem_constraint: float | None = None  # bytes per device
+    pipeline_nstages: int | str = 1
+    pipeline_nmicros: int | None = None
+    pipeline_scheduler: str = "1f1b"
+    recompute_modules: tuple[str, ...] = ()
+    partition_constraints_path: Path | None = None
+    load_plan_path: Path | None = None
+    save_plan_path: Path | None = None
+    solver: str = "auto"
+    max_partition_degree: int | None = None
+    device_type: str | None = None
+    profile_dir: Path = attrs.field(factory=default_profile_dir)
+    verbose: bool = False
+    plot_path: Path | None = None
+
+
+def _path(key: str, value: Any) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise _bad(key, value, "a path (str or os.PathLike)")
+    return Path(value)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(key, value, "a positive int")
+    return value
+
+
+def parse_config(pas_config: Mapping[str, Any] | None) -> AutoDistConfig:
+    """Check ``pas_config`` and return the :class:`AutoDistConfig` it asks for."""
+    cfg = dict(pas_config or {})
+    for key in cfg:
+        if key not in KEYS:
+            raise AutoDistError(
+                f"policy 'autodist': unknown pas_config key {key!r}.{_closest(key)} The keys "
+                f"autodist reads are: {', '.join(KEYS)}"
+            )
+    out: dict[str, Any] = {}
+    mem = cfg.get("mem_constraint")
+    if mem is not None:
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not mem > 0:
+            raise _bad("mem_constraint", mem, "a number of GB > 0 (e.g. 40 or 0.5)")
+        out["mem_constraint"] = float(mem) * 1024**3
+    nstages = cfg.get("pipeline_nstages", 1)
+    if nstages != "auto":
+        if isinstance(nstages, bool) or not isinstance(nstages, int) or nstages < 1:
+            raise _bad("pipeline_nstages", nstages, "a positive int or 'auto'")
+    out["pipeline_nstages"] = nstages
+    if cfg.get("pipeline_nmicros") is not None:
+        out["pipeline_nmicros"] = _positive_int("pipeline_nmicros", cfg["pipeline_nmicros"])
+    sched = cfg.get("pipeline_scheduler", "1f1b")
+    if not isinstance(sched, str):
+        raise _bad("pipeline_scheduler", sched, "the name of a registered schedule, e.g. '1f1b'")
+    if nstages != 1:
+        from nnscaler.schedule import get_schedule
+
+        get_schedule(sched)  # an unknown name lists the registered ones
+    out["pipeline_scheduler"] = sched
+    rec = cfg.get("recompute_modules", ())
+    if isinstance(rec, str):
+        rec = tuple(s.strip() for s in rec.split(",") if s.strip())
+    elif isinstance(rec, (list, tuple)) and all(isinstance(s, str) for s in rec):
+        rec = tuple(rec)
+    else:
+        raise _bad("recompute_modules", rec, "a comma-separated str or a list of str "
+                   "(module class names such as 'Block', or module paths such as 'gpt.blocks')")
+    out["recompute_modules"] = rec
+    for key in ("partition_constraints_path", "load_plan_path", "save_plan_path", "plot_path"):
+        out[key] = _path(key, cfg.get(key))
+    if out["partition_constraints_path"] is not None and not out[
+            "partition_constraints_path"].is_file():
+        raise AutoDistError(f"policy 'autodist': pas_config['partition_constraints_path'] "
+                            f"names {str(out['partition_constraints_path'])!r}, which is not a "
+                            f"file. Give the path of a YAML constraints file")
+    if out["load_plan_path"] is not None and not out["load_plan_path"].is_file():
+        raise AutoDistError(f"policy 'autodist': pas_config['load_plan_path'] names "
+                            f"{str(out['load_plan_path'])!r}, which is not a file. Give a plan "
+                            f"written by save_plan_path")
+    solver = cfg.get("solver", "auto")
+    if solver not in SOLVERS:
+        raise _bad("solver", solver, f"one of {', '.join(map(repr, SOLVERS))}")
+    out["solver"] = solver
+    if cfg.get("max_partition_degree") is not None:
+        out["max_partition_degree"] = _positive_int("max_partition_degree",
+                                                    cfg["max_partition_degree"])
+    dev = cfg.get("device_type")
+    if dev is not None:
+        from nnscaler_policy_autodist.comm import DEVICE_SPECS
+
+        if not isinstance(dev, str) or dev.lower() not in {k.lower() for k in DEVICE_SPECS}:
+            raise _bad("device_type", dev, f"one of {', '.join(DEVICE_SPECS)}")
+        dev = next(k for k in DEVICE_SPECS if k.lower() == dev.lower())
+    out["device_type"] = dev
+    if cfg.get("profile_dir") is not None:
+        out["profile_dir"] = _path("profile_dir", cfg["profile_dir"])
+    verbose = cfg.get("verbose", False)
+    if not isinstance(verbose, bool):
+        raise _bad("verbose", verbose, "True or False")
+    out["verbose"] = verbose
+    return AutoDistConfig(**out)

@@ -1,0 +1,321 @@
+"""The cost model of one stage: each op's options with their time and memory, and the
+cost of every producer -> consumer edge for each pair of options.
+
+A stage of ``k`` devices runs each op either replicated on all ``k`` or split in ``k``
+parts by one transform of its transform space (``op.anno.transform_space(k)`` with its
+op's rules), part ``p`` on device ``p``. For an option the model knows, per device:
+
+- ``time``: the part's forward and backward time (:mod:`.profile`), the forward again
+  when the op is recomputed; plus the moves of what it reads from outside the stage's
+  activations: forward arguments (held replicated), weights (the first reader fixes a
+  weight's layout: its need with value parts folded into replicas; a later reader of a
+  tied weight pays the move from there, as an edge), and the move of a graph output to
+  replicated;
+- gradient synchronisation: a weight held replicated by an op that is split computes a
+  partial gradient on each device, summed over the ``k`` devices; every weight's piece is
+  summed over the data-parallel scale units (``runtime_ngpus / plan_ngpus``);
+- the optimizer's step over the weights it is the first to read (memory bound);
+- ``mem``: bytes of the weights it is the first to read (parameter, gradient and
+  optimizer state, the state divided over the units under ZeRO) and of the activations
+  it keeps for backward (its outputs, when gradients flow and it is not recomputed).
+
+An edge between the producer of an activation and a consumer costs the layout plan from
+the layout the producer's option writes to the one the consumer's option reads
+(:func:`nnscaler.layout.plan`, timed by :class:`~.comm.CommModel`), forward and backward.
+
+Repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) are *tied*: every op of an
+instance takes the choice of the op at its position in the template, so the solver sees
+one layer whatever the depth, and the costs of an instance are computed once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+
+from nnscaler.anno import Transform
+from nnscaler.graph.blocks import repeated_blocks
+from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
+from nnscaler.layout import Layout, plan
+from nnscaler.policies.costs import layout_of, part_piece, replicated, transform_pieces
+from nnscaler_policy_autodist.comm import CommModel
+from nnscaler_policy_autodist.profile import ComputeProfiler
+
+__all__ = ["CostModel", "Edge", "Option", "StageProblem"]
+
+logger = logging.getLogger("nnscaler.autodist.model")  # under nnscaler's loggers
+
+
+@attrs.frozen(eq=False)
+class Option:
+    """One way to run an op: ``transform`` (``None``: replicated) over ``k`` devices."""
+
+    transform: Transform | None
+    reads: tuple[tuple[FullTensor, Layout | None, bool], ...]
+    writes: tuple[tuple[FullTensor, Layout | None], ...]
+    compute: float  # seconds per device, forward + backward (+ recompute)
+    comm: float  # seconds of moves and gradient sync charged to the op alone
+    mem: float  # bytes per device
+    act: float  # of which activations kept for backward, per micro-batch
+
+    @property
+    def time(self) -> float:
+        return self.compute + self.comm
+
+    def describe(self) -> str:
+        return "replicate" if self.transform is None else (
+            f"split input {self.transform.idx} dim {self.transform.dim} "
+            f"({self.transform.ident!r}) in {self.transform.num}")
+
+
+@attrs.frozen(eq=False)
+class Edge:
+    """Producer ``src`` -> consumer ``dst`` (indices into the problem's ops) of one tensor:
+    ``cost[i][j]`` seconds when ``src`` takes option ``i`` and ``dst`` option ``j``."""
+
+    src: int
+    dst: int
+    cost: tuple[tuple[float, ...], ...]
+
+
+@attrs.frozen(eq=False)
+class StageProblem:
+    """What a solver sees: per op its options; edges; ``rep[i]`` the op whose choice op
+    ``i`` takes (itself, or its position in the template of its repeated block)."""
+
+    ops: tuple[Op, ...]
+    options: tuple[tuple[Option, ...], ...]
+    edges: tuple[Edge, ...]
+    rep: tuple[int, ...]
+    k: int
+
+
+def _is_weight(full: FullTensor) -> bool:
+    return full.is_leaf and full.kind is not TensorKind.INPUT
+
+
+class CostModel:
+    """Builds :class:`StageProblem` s for the ops of stages of ``k`` devices."""
+
+    def __init__(self, *, profiler: ComputeProfiler, comm: CommModel, units: int,
+                 zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
+                 allowed: dict[int, set] | None = None, max_degree: int | None = None,
+                 micro_batches: int = 1) -> None:
+        self.profiler = profiler
+        self.comm = comm
+        self.units = units
+        self.zero = zero
+        self.opt_state = opt_state
+        self.recompute = recompute  # oids of ops whose activations are recomputed
+        self.allowed = allowed or {}  # oid -> allowed {(idx, dim) | 'replicate'}
+        self.max_degree = max_degree
+        self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
+
+    # -- options ------------------------------------------------------------------------
+    def transforms(self, op: Op, k: int) -> list[Transform | None]:
+        """Replication and every split of ``op`` in ``k`` parts its constraints allow."""
+        allowed = self.allowed.get(op.oid)
+        out: list[Transform | None] = []
+        if allowed is None or "replicate" in allowed:
+            out.append(None)
+        if k > 1 and op.anno is not None and op.opdef is not None and not op.opdef.collective \
+                and (self.max_degree is None or k <= self.max_degree):
+            for t in op.anno.transform_space(k, rules=op.opdef.rules_for(op.anno)):
+                if allowed is None or (t.idx, t.dim) in allowed:
+                    out.append(t)
+        if not out:  # constraints that leave nothing: replicate (reported by the caller)
+            out.append(None)
+        return out
+
+    def _layouts(self, op: Op, t: Transform | None, k: int
+                 ) -> tuple[tuple[tuple[FullTensor, Layout | None, bool], ...],
+                            tuple[tuple[FullTensor, Layout | None], ...]]:
+        parts = [transform_pieces(op, t, k, p) for p in range(k)]
+        reads = []
+        for j, x in enumerate(op.input_tensors()):
+            need = layout_of((p, parts[p][j]) for p in range(k))
+            reads.append((x.full, need, x.full.requires_grad and not op.no_grad))
+        outs = list(tensors_in(op.outputs))
+        lays = [None] * len(outs) if t is None else list(t.outputs)
+        writes = [(x.full, layout_of((p, part_piece(x, lay, k, p)) for p in range(k)))
+                  for x, lay in zip(outs, lays)]
+        written = {w[0] for w in writes}
+        positions = {x: i for i, x in enumerate(op.inputs) if isinstance(x, SubTensor)}
+        for before, after in op.mutations:
+            if after.full in written:
+                continue
+            i = positions.get(before)
+            lay = None if t is None or i is None else t.inputs[i]
+            pieces = [(p, part_piece(before, lay, k, p)) for p in range(k)]
+            writes.append((after.full, layout_of(
+                (p, SubTensor(full=after.full, indmap=b.indmap, valmap=b.valmap))
+                for p, b in pieces)))
+        return tuple(reads), tuple(writes)
+
+    def move(self, full: FullTensor, src: Layout | None, dst: Layout | None,
+             grad: bool) -> float:
+        """Seconds to bring ``full`` from ``src`` to ``dst`` (and its gradient back)."""
+        if src is not None and dst is not None and src == dst:
+            return 0.0
+        itemsize = full.dtype.itemsize
+        if src is None or dst is None:
+            return self.comm.plan_time(None, itemsize, full.numel, grad)
+        key = (src, dst, itemsize, grad)
+        if key not in self._plans:
+            self._plans[key] = self.comm.plan_time(plan(src, dst), itemsize, full.numel, grad)
+        return self._plans[key]
+
+    def option(self, op: Op, t: Transform | None, k: int, first_reader: dict[FullTensor, Op],
+               outputs: set[FullTensor], produced: set[FullTensor]) -> Option:
+        reads, writes = self._layouts(op, t, k)
+        fw, bw = self.profiler.time(op, t, k)
+        grads = not op.no_grad and any(g for _, _, g in reads)
+        recomputed = op.oid in self.recompute
+        compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
+        comm = 0.0
+        mem = 0.0
+        seen: set[FullTensor] = set()
+        for full, need, grad in reads:
+            if full in seen:
+                continue
+            seen.add(full)
+            if full.kind is TensorKind.INPUT and full.is_leaf:
+                comm += self.move(full, replicated(full, k), need, grad)
+            elif full not in produced and not _is_weight(full):
+                # an activation from an earlier stage: it arrives as its boundary sends it
+                comm += self.move(full, replicated(full, k), need, grad)
+            elif _is_weight(full) and first_reader.get(full) is op:
+                canon = None if need is None else need.replicated()
+                comm += self.move(full, canon, need, grad)
+                piece = (full.numel if need is None else need.piece_numel) * full.dtype.itemsize
+                if full.requires_grad:
+                    opt = self.opt_state * piece / (self.units if self.zero else 1)
+                    mem += 2 * piece + opt
+                    # the optimizer's step reads and writes the piece, its gradient and
+                    # state: about (3 + 2 * opt_state) passes over it, memory bound
+                    compute += (3 + 2 * self.opt_state) * piece / (
+                        self.units if self.zero else 1) / self.comm.spec.mem_bw
+                    if t is not None and need is not None and need.r > 1:
+                        comm += self.comm.allreduce_time(piece, need.r)  # partial gradients
+                    comm += self.comm.allreduce_time(piece, self.units,
+                                                     cross=self.units * k > self.comm.spec.per_node)
+                else:
+                    mem += piece
+        act = 0.0
+        if grads and not recomputed:
+            for full, lay in writes:
+                if full.dtype.is_floating_point:
+                    act += (full.numel if lay is None else lay.piece_numel) * full.dtype.itemsize
+        for full, lay in writes:
+            if full in outputs:
+                comm += self.move(full, lay, replicated(full, k), full.requires_grad)
+        return Option(transform=t, reads=reads, writes=writes, compute=compute, comm=comm,
+                      mem=mem + act, act=act)
+
+    # -- a stage ------------------------------------------------------------------------
+    def build(self, ops: Sequence[Op], k: int, graph_outputs: set[FullTensor],
+              all_ops: Sequence[Op] | None = None) -> StageProblem:
+        """The problem of running ``ops`` (program order) on ``k`` devices."""
+        ops = list(ops)
+        index = {op: i for i, op in enumerate(ops)}
+        first_reader: dict[FullTensor, Op] = {}
+        for op in all_ops or ops:
+            for x in op.input_tensors():
+                if _is_weight(x.full):
+                    first_reader.setdefault(x.full, op)
+        producer: dict[FullTensor, int] = {}
+        for i, op in enumerate(ops):
+            for y in op.output_tensors():
+                producer[y.full] = i
+        rep = list(range(len(ops)))
+        for kind in repeated_blocks(ops):
+            tpl = kind.template.ops
+            for inst in kind.instances[1:]:
+                for p, op in enumerate(inst.ops):
+                    rep[index[op]] = index[tpl[p]]
+        options: list[tuple[Option, ...] | None] = [None] * len(ops)
+        produced = set(producer)
+        for i, op in enumerate(ops):
+            if rep[i] != i and self._same_weights_role(op, ops[rep[i]], first_reader):
+                options[i] = self._retarget(options[rep[i]], op, k)
+                continue
+            options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
+                               for t in self.transforms(op, k))
+            if rep[i] != i and len(options[i]) != len(options[rep[i]]):
+                rep[i] = i
+        edges: list[Edge] = []
+        memo: dict[tuple, tuple[tuple[float, ...], ...]] = {}
+        for j, op in enumerate(ops):
+            seen: set[tuple[int, FullTensor]] = set()
+            for pos, x in enumerate(op.input_tensors()):
+                full = x.full
+                if full in producer:
+                    i = producer[full]
+                elif _is_weight(full) and first_reader.get(full) not in (None, op) \
+                        and first_reader[full] in index:
+                    i = index[first_reader[full]]  # a tied weight: held where its first reader put it
+                else:
+                    continue
+                if (i, full) in seen or i == j:
+                    continue
+                seen.add((i, full))
+                key = (rep[i], rep[j], self._out_pos(ops[i], full), pos,
+                       _is_weight(full)) if rep[i] != i or rep[j] != j else None
+                if key is not None and key in memo:
+                    edges.append(Edge(i, j, memo[key]))
+                    continue
+                cost = self._edge(options[i], options[j], full, pos, weight=_is_weight(full))
+                if key is not None:
+                    memo[key] = cost
+                if any(c for row in cost for c in row):
+                    edges.append(Edge(i, j, cost))
+        return StageProblem(ops=tuple(ops), options=tuple(options), edges=tuple(edges),
+                            rep=tuple(rep), k=k)
+
+    @staticmethod
+    def _out_pos(op: Op, full: FullTensor) -> int:
+        for k, y in enumerate(op.output_tensors()):
+            if y.full is full:
+                return k
+        for k, x in enumerate(op.input_tensors()):
+            if x.full is full:
+                return -1 - k
+        return -999
+
+    @staticmethod
+    def _same_weights_role(op: Op, tpl: Op, first_reader: dict[FullTensor, Op]) -> bool:
+        a = [first_reader.get(x.full) is op for x in op.input_tensors() if _is_weight(x.full)]
+        b = [first_reader.get(x.full) is tpl for x in tpl.input_tensors() if _is_weight(x.full)]
+        return a == b and len(op.input_tensors()) == len(tpl.input_tensors())
+
+    def _retarget(self, opts: tuple[Option, ...] | None, op: Op, k: int) -> tuple[Option, ...]:
+        """The template's options with this instance's tensors (same costs)."""
+        assert opts is not None
+        ins = [x.full for x in op.input_tensors()]
+        outs = [y.full for y in tensors_in(op.outputs)]
+        muts = [a.full for _, a in op.mutations if a.full not in set(outs)]
+        out = []
+        for o in opts:
+            reads = tuple((ins[n], lay, g) for n, (_, lay, g) in enumerate(o.reads))
+            targets = outs + muts
+            writes = tuple((targets[n], lay) for n, (_, lay) in enumerate(o.writes))
+            out.append(attrs.evolve(o, reads=reads, writes=writes))
+        return tuple(out)
+
+    def _edge(self, src: tuple[Option, ...], dst: tuple[Option, ...], full: FullTensor,
+              pos: int, *, weight: bool) -> tuple[tuple[float, ...], ...]:
+        rows = []
+        for a in src:
+            if weight:
+                have = next((lay for f, lay, _ in a.reads if f is full), None)
+                held = None if have is None else have.replicated()
+            else:
+                held = next((lay for f, lay in a.writes if f is full), None)
+            row = []
+            for b in dst:
+                _, need, grad = b.reads[pos]
+                row.append(self.move(full, held, need, grad))
+            rows.append(tuple(row))
+        return tuple(rows)

@@ -1,0 +1,151 @@
+"""``autodist``: search the plan (pipeline stages, each op's split) by measured costs.
+
+The order of the steps:
+
+1. read ``pas_config`` (:mod:`.config`); build the cost model: the device's figures
+   (:mod:`.comm`), the compute profiler (:mod:`.profile`), constraints and recomputation;
+2. choose the pipeline (:mod:`.pipeline`): the number of stages, the cuts at layer
+   boundaries, each stage's devices; or replay a saved plan (:mod:`.planfile`);
+3. solve each stage (:mod:`.spmd`) under the memory limit, with the stage's in-flight
+   micro-batches;
+4. apply the choices through the policy writer's API (``staging``, ``partition`` /
+   ``replicate``, ``assign``, ``recompute``), check the plan, log the report, save the
+   plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from typing import Any
+
+import attrs
+
+from nnscaler.graph import IRGraph, PartitionError
+from nnscaler.ir import Graph, Op
+from nnscaler.policies.common import as_policy_graph, get_plan_ngpus
+from nnscaler_policy_autodist.comm import CommModel, device_spec
+from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
+from nnscaler_policy_autodist.constraints import load_constraints
+from nnscaler_policy_autodist.model import CostModel, StageProblem
+from nnscaler_policy_autodist.pipeline import PipelinePlan, search_pipeline
+from nnscaler_policy_autodist.profile import ComputeProfiler
+from nnscaler_policy_autodist.spmd import Solution
+
+__all__ = ["AutoDistResult", "autodist", "plan_graph"]
+
+logger = logging.getLogger("nnscaler.autodist")  # under nnscaler's loggers
+
+
+@attrs.frozen(eq=False)
+class AutoDistResult:
+    """What ``autodist`` chose and estimated (also what the report and plan file show)."""
+
+    config: AutoDistConfig
+    plan_ngpus: int
+    pipeline: PipelinePlan
+    problems: tuple[StageProblem, ...]
+    solutions: tuple[Solution, ...]
+    limit: float | None
+    search_seconds: float
+    profiled: int
+
+
+def _recompute_paths(graph: IRGraph, names: tuple[str, ...]) -> list[str]:
+    """Module paths named by ``recompute_modules``: class names (a path whose ops run in a
+    module of that class) or module paths/globs; outermost paths only."""
+    classes = {}
+    for op in graph.nodes():
+        if op.module_path:
+            classes.setdefault(op.module_path, set()).add(op.module_class.rsplit(".", 1)[-1])
+    found: list[str] = []
+    for name in names:
+        hits = [p for p, cls in classes.items() if name in cls or name.rsplit(".", 1)[-1] in cls
+                or fnmatch.fnmatchcase(p, name) or p == name]
+        if not hits:
+            known = sorted({c for cls in classes.values() for c in cls})
+            raise AutoDistError(
+                f"policy 'autodist': pas_config['recompute_modules'] names {name!r}, but no "
+                f"op of the model runs in a module of that class or path. Module classes of "
+                f"this model: {', '.join(known)}")
+        found += hits
+    found = sorted(set(found))
+    return [p for p in found if not any(p != q and p.startswith(q + ".") for q in found)]
+
+
+def _in(op: Op, path: str) -> bool:
+    return op.module_path == path or op.module_path.startswith(path + ".")
+
+
+def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResult]:
+    """Plan ``graph`` like the ``autodist`` policy and also return what it chose."""
+    from nnscaler_policy_autodist import planfile, report
+
+    t0 = time.perf_counter()
+    n = get_plan_ngpus(compute_config, "autodist")
+    cfg = parse_config(getattr(compute_config, "pas_config", None))
+    runtime = getattr(compute_config, "runtime_ngpus", n) or n
+    units = max(1, runtime // n)
+    zero = bool(getattr(compute_config, "use_zero", False))
+    g = as_policy_graph(graph)
+    ops = g.nodes()
+    spec = device_spec(cfg.device_type, cfg.profile_dir)
+    from nnscaler.runtime.device import device_type
+
+    here = cfg.device_type in (None, device_type())
+    profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
+    rec_paths = _recompute_paths(g, cfg.recompute_modules)
+    recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
+    allowed = load_constraints(cfg.partition_constraints_path, g)
+    model = CostModel(profiler=profiler, comm=CommModel(spec), units=units, zero=zero,
+                      recompute=recompute, allowed=allowed,
+                      max_degree=cfg.max_partition_degree)
+    limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
+    nmicros = cfg.pipeline_nmicros or 1
+    if cfg.load_plan_path is not None:
+        pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, model,
+                                                    nmicros)
+    else:
+        pipe, problems, solutions = search_pipeline(ops, n, model, cfg, limit, nmicros,
+                                                    g.output_tensors())
+    profiler.save()
+    _apply(g, pipe, problems, solutions)
+    for path in rec_paths:
+        g.recompute(path)
+    g.check(n)
+    result = AutoDistResult(config=cfg, plan_ngpus=n, pipeline=pipe, problems=tuple(problems),
+                            solutions=tuple(solutions), limit=limit,
+                            search_seconds=time.perf_counter() - t0, profiled=profiler.profiled)
+    logger.info("%s", report.text(result))
+    if cfg.save_plan_path is not None:
+        planfile.save(cfg.save_plan_path, result)
+    if cfg.plot_path is not None:
+        report.plot(result, cfg.plot_path)
+    return g, result
+
+
+def _apply(g: IRGraph, pipe: PipelinePlan, problems: list[StageProblem],
+           solutions: list[Solution]) -> None:
+    if len(pipe.starts) > 1:
+        g.staging([problems[s].ops[0] for s in range(len(problems))])
+    for s, (problem, sol) in enumerate(zip(problems, solutions)):
+        base = s * problem.k
+        for i, (op, choice) in enumerate(zip(problem.ops, sol.choice)):
+            t = problem.options[i][choice].transform
+            try:
+                parts = (g.replicate(op, problem.k) if t is None else
+                         g.partition(op, idx=t.idx, dim=t.dim, num=problem.k))
+            except PartitionError as e:
+                logger.warning("autodist: %s cannot be split as planned (%s); replicating it",
+                               g.describe(op), e)
+                parts = g.replicate(op, problem.k)
+            for p, part in enumerate(parts):
+                g.assign(part, base + p)
+
+
+def autodist(graph: Graph, compute_config: Any) -> IRGraph:
+    """The ``autodist`` policy: ``(graph, compute_config) -> graph``. See
+    ``docs/plugins/policy_autodist.md`` for the ``pas_config`` keys and the report."""
+    g, _ = plan_graph(graph, compute_config)
+    return g

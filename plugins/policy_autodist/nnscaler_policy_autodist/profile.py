@@ -1,0 +1,248 @@
+"""Compute time of op parts, measured on this machine's device and cached on disk.
+
+For an op split by a transform (or whole), :class:`ComputeProfiler` runs one part,
+forward then backward, on tensors of the part's shapes (random floats, zeros for
+integers, ``True`` for masks), and keeps the fastest time. The cache is a JSON file per
+device under the profile directory, keyed by op name, shapes, dtypes, keyword arguments,
+the split and its number of parts: a second compile profiles nothing.
+
+An op too large to run here (more than ``max_bytes`` of tensors, or its parameters on
+the meta device only) is never run: its time is measured on a part of a split that
+shrinks it (the first transform whose outputs are split, in ``m`` parts) and multiplied
+by ``m``, its work ratio. An op that cannot run alone (a collective part, an op whose
+function fails on made-up values) gets the analytic estimate of the device's figures
+(:func:`analytic_time`). For a named device that is not here (``device_type='H100'``),
+every op gets the analytic estimate: its work over the device's throughput, or its bytes
+over its memory bandwidth, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from nnscaler.anno import Split, Transform
+from nnscaler.ir import Op, SubTensor, tensors_in
+from nnscaler.policies.costs import op_work, part_piece
+from nnscaler_policy_autodist.comm import DeviceSpec
+
+__all__ = ["ComputeProfiler", "analytic_time", "device_key"]
+
+logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
+
+#: The most bytes of tensors one profiled call may hold (inputs and outputs).
+MAX_PROFILE_BYTES = 64 * 1024 * 1024
+
+
+def device_key() -> str:
+    """Names this machine's compute device for the cache: the CPU model and threads, or
+    the CUDA device name."""
+    from nnscaler.runtime.device import device_type
+
+    if device_type() == "cuda":
+        return "cuda-" + torch.cuda.get_device_name().replace(" ", "_")
+    cpu = platform.processor() or platform.machine()
+    return f"cpu-{cpu}-t{torch.get_num_threads()}".replace(" ", "_").replace("/", "_")
+
+
+def _bytes(op: Op) -> int:
+    return sum(t.full.dtype.itemsize * math.prod(t.shape)
+               for t in (*op.input_tensors(), *op.output_tensors()))
+
+
+def _grads(op: Op) -> bool:
+    return not op.no_grad and any(t.full.requires_grad for t in op.input_tensors())
+
+
+def analytic_time(op: Op, spec: DeviceSpec, num: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one part of ``op`` in ``num`` parts, from the
+    device's figures: two FLOPs per multiply-accumulate at ``spec.flops``, or the bytes it
+    reads and writes at ``spec.mem_bw``, whichever is longer, plus a launch overhead.
+    Backward is twice forward when gradients flow."""
+    work = op_work(op) / num
+    moved = _bytes(op) / num
+    fw = max(2 * work / spec.flops, moved / spec.mem_bw) + spec.launch
+    return fw, (2 * fw if _grads(op) else 0.0)
+
+
+def _make(piece: SubTensor, device: torch.device, grad: bool) -> torch.Tensor:
+    dtype = piece.full.dtype
+    shape = tuple(b - a for a, b in piece.indmap)
+    if dtype.is_floating_point or dtype.is_complex:
+        t = torch.randn(shape, dtype=dtype, device=device)
+        return t.requires_grad_(grad)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class ComputeProfiler:
+    """Measured (forward, backward) seconds of op parts, cached per device."""
+
+    def __init__(self, spec: DeviceSpec, profile_dir: Path, *, measure: bool = True,
+                 max_bytes: int = MAX_PROFILE_BYTES) -> None:
+        self.spec = spec
+        self.measure = measure
+        self.max_bytes = max_bytes
+        self.key = device_key() if measure else f"analytic-{spec.name}"
+        self.path = Path(profile_dir) / f"compute-{self.key}.json"
+        self._table: dict[str, list[float]] = {}
+        self._dirty = False
+        self.profiled = 0  # calls measured by this profiler (not from the cache)
+        if measure and self.path.is_file():
+            try:
+                self._table = json.loads(self.path.read_text())
+            except (OSError, ValueError) as e:
+                logger.warning("autodist: ignoring the unreadable profile cache %s (%s)",
+                               self.path, e)
+        self._memo: dict[tuple[int, Any, int], tuple[float, float]] = {}
+
+    # -- public ------------------------------------------------------------------------
+    def time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one part of ``op`` split by ``t`` in ``num``
+        parts (``t=None``: the whole op, as every replica runs it)."""
+        memo = (id(op), t, num)
+        if memo not in self._memo:
+            self._memo[memo] = self._time(op, t, num if t is not None else 1)
+        return self._memo[memo]
+
+    def save(self) -> None:
+        """Write the cache (atomically) when something new was measured."""
+        if not self._dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._table, sort_keys=True))
+        tmp.replace(self.path)
+        self._dirty = False
+
+    # -- internals ---------------------------------------------------------------------
+    def _time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
+        if not self.measure or op.opdef is None or op.anno is None:
+            return analytic_time(op, self.spec, num)
+        opdef = op.opdef
+        if t is not None and t.part_op is not None:
+            from nnscaler.plugins import get_plugin_manager
+
+            opdef = get_plugin_manager().ops.get(t.part_op)
+        if opdef.collective:
+            # its parts talk to each other: estimate from the whole op
+            fw, bw = self.time(op, None, 1)
+            return fw / num, bw / num
+        inputs = [part_piece(x, t.inputs[k], num, 0) if isinstance(x, SubTensor)
+                  and t is not None else x for k, x in enumerate(op.inputs)]
+        kwargs = dict(op.kwargs) if t is None else op.opdef.part_kwargs(t, op.kwargs, 0)
+        size = _bytes(op) // num
+        scale = 1
+        if size > self.max_bytes:
+            shrunk = self._shrink(op, t, num, inputs, kwargs, size)
+            if shrunk is None:
+                return analytic_time(op, self.spec, num)
+            inputs, kwargs, scale = shrunk
+        key = self._key(opdef.name, inputs, kwargs, op)
+        if key not in self._table:
+            try:
+                self._table[key] = list(self._run(opdef, inputs, kwargs, _grads(op)))
+            except Exception as e:  # noqa: BLE001 - made-up values an op rejects
+                logger.debug("autodist: cannot profile %s (%s: %s); estimating",
+                             op.name, type(e).__name__, e)
+                self._table[key] = list(analytic_time(op, self.spec, num * scale))
+            self._dirty = True
+            self.profiled += 1
+        fw, bw = self._table[key]
+        return fw * scale, bw * scale
+
+    def _shrink(self, op: Op, t: Transform | None, num: int, inputs: list[Any],
+                kwargs: dict[str, Any], size: int
+                ) -> tuple[list[Any], dict[str, Any], int] | None:
+        """A part of the part that fits: split once more along a dim its outputs keep
+        split (no value-partial output), in ``m`` parts; returns it and ``m``."""
+        anno = op.anno
+        shapes = [tuple(b - a for a, b in x.indmap) if isinstance(x, SubTensor) else None
+                  for x in inputs]
+        try:
+            bound = anno.anno.bind(shapes, kwargs)
+        except Exception:  # noqa: BLE001
+            return None
+        need = max(2, 2 ** math.ceil(math.log2(size / self.max_bytes)))
+        rules = op.opdef.rules_for(bound) if t is None or t.part_op is None else ()
+        for m in (need, need * 2, need * 4):
+            for s in bound.transform_space(m, rules=rules):
+                if s.part_op is not None or not all(isinstance(o, Split) for o in s.outputs):
+                    continue
+                sub = [part_piece(x, s.inputs[k], m, 0) if isinstance(x, SubTensor) else x
+                       for k, x in enumerate(inputs)]
+                return sub, op.opdef.part_kwargs(s, kwargs, 0), m
+        return None
+
+    @staticmethod
+    def _key(name: str, inputs: Sequence[Any], kwargs: dict[str, Any], op: Op) -> str:
+        def show(x: Any) -> Any:
+            if isinstance(x, SubTensor):
+                return f"{x.full.dtype}{list(b - a for a, b in x.indmap)}" + (
+                    "g" if x.full.requires_grad else "")
+            return repr(x)
+
+        leaves = pytree.tree_map(show, (list(inputs), kwargs))
+        return f"{name}|{leaves}|{'nograd' if op.no_grad else 'grad'}"
+
+    def _run(self, opdef: Any, inputs: Sequence[Any], kwargs: dict[str, Any],
+             grads: bool) -> tuple[float, float]:
+        from nnscaler.runtime.device import current_device, device_type
+
+        device = current_device() if device_type() == "cuda" else torch.device("cpu")
+        cuda = device.type == "cuda"
+
+        def build(x: Any) -> Any:
+            return _make(x, device, grads) if isinstance(x, SubTensor) else x
+
+        args = pytree.tree_map(build, list(inputs))
+        kw = pytree.tree_map(build, kwargs)
+        leaves = [x for x in pytree.tree_leaves((args, kw))
+                  if isinstance(x, torch.Tensor) and x.requires_grad]
+
+        def once() -> tuple[float, float]:
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = opdef.call(args, kw)
+            if cuda:
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            outs = [o for o in pytree.tree_leaves(out)
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not (grads and outs and leaves):
+                return t1 - t0, 0.0
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            if cuda:
+                torch.cuda.synchronize()
+            for x in leaves:
+                x.grad = None
+            return t1 - t0, time.perf_counter() - t1
+
+        with torch.no_grad() if not grads else torch.enable_grad():
+            once()  # warm-up
+            samples = []
+            spent = 0.0
+            while len(samples) < 3 or (spent < 0.02 and len(samples) < 15):
+                fw, bw = once()
+                samples.append((fw, bw))
+                spent += fw + bw
+        # the fastest sample: what the device does when nothing else competes for it
+        # (other samples are the op plus noise from other processes)
+        return min(s[0] for s in samples), min(s[1] for s in samples)
+
+
+def tensors_of(op: Op) -> list[SubTensor]:
+    """Every tensor ``op`` reads or writes (for memory)."""
+    return [*tensors_in(op.inputs), *tensors_in(dict(op.kwargs)), *op.output_tensors()]

@@ -1,0 +1,97 @@
+"""Models and the training loop shared by the autodist parity tests."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAM = {"lr": 1e-2, "eps": 1e-4}
+
+
+class Quickstart(nn.Module):
+    """The seed quickstart's model: Linear(100, 10) and cross-entropy on a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(100, 10)
+
+    def forward(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = self.linear(data["x"])
+        return nn.functional.cross_entropy(x, data["y"])
+
+
+def make(kind: str) -> nn.Module:
+    from nnscaler.models import MLP, GPTConfig, GPTWithLoss, MLPConfig
+
+    torch.manual_seed(0)
+    if kind == "quickstart":
+        return Quickstart()
+    if kind == "mlp":
+        return MLP(MLPConfig(d_in=16, d_hidden=64, n_classes=4, n_layers=3))
+    return GPTWithLoss(GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=32, seq_len=8))
+
+
+def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
+    from nnscaler.models import GPTConfig, MLPConfig
+    from nnscaler.models.gpt import make_batch as gpt_batch
+    from nnscaler.models.mlp import make_batch as mlp_batch
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "quickstart":
+        return {"x": torch.rand(4, 100, generator=g), "y": torch.randint(10, (4,), generator=g)}
+    if kind == "mlp":
+        return mlp_batch(MLPConfig(d_in=16, d_hidden=64, n_classes=4, n_layers=3), 8, seed=seed)
+    return gpt_batch(GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=32, seq_len=8), 4,
+                     seed=seed)
+
+
+def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[str, Any],
+          outdir: str, steps: int = 2, micro: int = 1, use_zero: bool = False) -> dict:
+    """Train ``steps`` Adam steps with autodist; compare with one process seeing every
+    unit's micro-batches (losses and every parameter piece, rtol 1e-5)."""
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+
+    units = world // plan_ngpus
+    data = [[[batch(kind, 100 * s + 10 * u + m) for m in range(micro)] for u in range(units)]
+            for s in range(steps)]
+    ref = make(kind)
+    opt = torch.optim.Adam(ref.parameters(), **ADAM)
+    ref_losses = []
+    for step in data:
+        opt.zero_grad()
+        row = []
+        for unit in step:
+            for b in unit:
+                loss = ref(b)
+                loss.backward()
+                row.append(loss.item())
+        opt.step()
+        ref_losses.append(row)
+    cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_end2end=True,
+                        use_zero=use_zero, pas_config=pas_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(make(kind), {"data" if kind == "quickstart" else "batch": data[0][0][0]},
+                         "autodist", cfg, gen_savedir=outdir)
+    popt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+    unit = rank // plan_ngpus
+    for s, step in enumerate(data):
+        losses = [float(x) for x in pm.train_step(step[unit])]
+        popt.step()
+        popt.zero_grad()
+        want = ref_losses[s][unit * micro:(unit + 1) * micro]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5,
+                                   atol=1e-6)
+    state = {n: p.detach() for n, p in ref.named_parameters()}
+    checked = 0
+    for attr, meta in pm.fullmap.items():
+        if meta.kind != "parameter" or meta.value != (0, 1):
+            continue
+        full = state[meta.orig_name]
+        torch.testing.assert_close(getattr(pm, attr).detach(), full[meta.slicers], rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
+        checked += 1
+    return {"checked": checked}

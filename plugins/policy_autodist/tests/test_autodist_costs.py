@@ -1,0 +1,85 @@
+"""The cost model's parts: communication figures measured on a process group, the
+profile of an op too large to run, plans for a named device, plots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from nnscaler_policy_autodist import DEVICE_SPECS, AutoDistError, measure_comm
+from nnscaler_policy_autodist.comm import CommModel, device_spec
+from nnscaler_policy_autodist.profile import ComputeProfiler, analytic_time
+from torch import nn
+
+from nnscaler.graph import IRGraph
+from nnscaler.trace import trace
+
+
+def _measure(rank, world, profile_dir):
+    return measure_comm(profile_dir)
+
+
+def test_measured_comm_is_cached_and_used(tmp_path):
+    figures = run_distributed(_measure, 2, str(tmp_path))
+    assert figures[0]["bw"] > 0 and figures[0]["lat"] > 0
+    spec = device_spec("cpu", tmp_path)
+    assert spec.intra_bw == pytest.approx(figures[0]["bw"])
+    assert measure_comm(tmp_path) is None  # no process group here
+
+
+def test_comm_model_prefers_nvlink_inside_a_node():
+    comm = CommModel(DEVICE_SPECS["H100"])
+    inside = comm.step_time([(0, 1, 2, 3)], 1e6, 2)
+    across = comm.step_time([(0, 8)], 1e6, 2)
+    assert across > inside > 0
+
+
+def _linear_graph(n: int) -> IRGraph:
+    model = nn.Linear(n, n)
+    return IRGraph.from_graph(trace(model, {"input": torch.randn(64, n)}))
+
+
+def test_an_op_too_large_is_timed_on_a_part(tmp_path):
+    op = _linear_graph(256).select(name="linear")[0]
+    whole = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path).time(op, None, 1)
+    shrunk = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path / "small", max_bytes=64 * 1024)
+    scaled = shrunk.time(op, None, 1)
+    # the same order of magnitude, never run whole (its tensors exceed max_bytes)
+    assert 0.1 < sum(scaled) / sum(whole) < 10
+    assert shrunk.profiled == 1
+
+
+def test_named_device_is_analytic():
+    op = _linear_graph(64).select(name="linear")[0]
+    fw, bw = analytic_time(op, DEVICE_SPECS["H100"])
+    assert 0 < fw < 1e-3 and bw == pytest.approx(2 * fw)
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    from nnscaler_policy_autodist import plan_graph
+
+    g = _linear_graph(16)
+    cfg = SimpleNamespace(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, pas_config={
+        "profile_dir": str(tmp_path), "plot_path": str(tmp_path / "plan.png")})
+    plan_graph(g, cfg)
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch):
+    import builtins
+
+    from nnscaler_policy_autodist import report
+
+    real = builtins.__import__
+
+    def no_mpl(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(AutoDistError, match=r"pip install 'nnscaler-policy-autodist\[plot\]'"):
+        report.plot(None, tmp_path / "x.png")

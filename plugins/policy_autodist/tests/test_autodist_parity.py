@@ -1,0 +1,35 @@
+"""Parity of autodist's plans: training with the plan equals one process (rtol 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+from autodist_cases import train
+from dist_utils import run_distributed
+
+
+def _run(rank, world, kind, plan_ngpus, pas_config, outdir, micro):
+    return train(rank, world, kind, plan_ngpus, pas_config, outdir, micro=micro)
+
+
+@pytest.mark.parametrize("kind,plan_ngpus,world,micro", [
+    ("quickstart", 1, 2, 1),   # the seed quickstart: pure data parallelism
+    ("mlp", 2, 2, 1),
+    ("gpt", 2, 2, 2),
+])
+def test_parity_2_procs(kind, plan_ngpus, world, micro, tmp_path):
+    cfg = {"profile_dir": str(tmp_path / "profile")}
+    results = run_distributed(_run, world, kind, plan_ngpus, cfg, str(tmp_path / "gen"), micro)
+    assert all(r["checked"] > 0 for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,plan_ngpus,pas", [
+    ("gpt", 4, {}),
+    ("gpt", 4, {"pipeline_nstages": 2, "pipeline_nmicros": 2}),
+    ("mlp", 2, {}),
+])
+def test_parity_4_procs(kind, plan_ngpus, pas, tmp_path):
+    cfg = {"profile_dir": str(tmp_path / "profile"), **pas}
+    micro = pas.get("pipeline_nmicros", 1)
+    results = run_distributed(_run, 4, kind, plan_ngpus, cfg, str(tmp_path / "gen"), micro)
+    assert all(r["checked"] > 0 for r in results)
