@@ -3,21 +3,31 @@ parallel program, emitted as readable PyTorch code per rank."""
 
 from __future__ import annotations
 
-from nnscaler.anno import AnnotationError, TransformRule
+from nnscaler.anno import AnnotationError, PromiseBrokenError, TransformRule
+from nnscaler.anno.partgroup import PartGroupError
 from nnscaler.checkpoint import (
     deduped_state_dict,
     load_deduped_state_dict,
     load_merged_state_dicts,
     merge_state_dicts,
 )
+from nnscaler.codegen.errors import CodegenError
 from nnscaler.errors import (
+    CheckpointError,
     DuplicateRegistrationError,
     NNScalerError,
+    OptimizerStateError,
     PluginError,
+    RegistrationError,
+    StateDictMismatchError,
     UnknownNameError,
 )
 from nnscaler.graph import IRGraph
+from nnscaler.graph.errors import PlanError
 from nnscaler.hookspecs import hookimpl
+from nnscaler.ir.graph import GraphError
+from nnscaler.ir.interpreter import InterpreterError
+from nnscaler.layout import LayoutError
 from nnscaler.ops.registry import register_op
 from nnscaler.parallel import (
     BroadcastGenFilesStrategy,
@@ -27,28 +37,57 @@ from nnscaler.parallel import (
     build_optimizer,
     parallelize,
 )
+from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError
+from nnscaler.parallel.config import ComputeConfigError
+from nnscaler.parallel.files import GenFilesError
 from nnscaler.plugins import get_plugin_manager
-from nnscaler.runtime.module import ParallelModule
+from nnscaler.policies.common import PolicyError
+from nnscaler.runtime.collectives import CollectiveError
+from nnscaler.runtime.module import ParallelModule, ParallelModuleError
+from nnscaler.runtime.pipeline import PipelineError
+from nnscaler.schedule.errors import ScheduleError
+from nnscaler.trace.errors import TraceError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnnotationError",
     "BroadcastGenFilesStrategy",
+    "CheckpointError",
+    "CodegenError",
+    "CollectiveError",
     "ComputeConfig",
+    "ComputeConfigError",
     "DuplicateRegistrationError",
+    "GenFilesError",
+    "GraphError",
     "IRGraph",
+    "InterpreterError",
+    "LayoutError",
     "NNScalerError",
+    "OptimizerStateError",
     "ParallelModule",
+    "ParallelModuleError",
+    "ParallelizeError",
+    "PartGroupError",
+    "PipelineError",
+    "PlanError",
     "PluginError",
+    "PolicyError",
+    "PromiseBrokenError",
+    "RegistrationError",
+    "ReuseMismatchError",
     "ReuseType",
+    "ScheduleError",
+    "StateDictMismatchError",
+    "TraceError",
     "TransformRule",
     "UnknownNameError",
     "__version__",
     "broadcast_weights",
     "build_optimizer",
-    "get_plugin_manager",
     "deduped_state_dict",
+    "get_plugin_manager",
     "hookimpl",
     "load_deduped_state_dict",
     "load_merged_state_dicts",
@@ -56,4 +95,3 @@ __all__ = [
     "parallelize",
     "register_op",
 ]
-

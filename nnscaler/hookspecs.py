@@ -70,8 +70,11 @@ def nnscaler_register_ops(registry: OpRegistry) -> None:
         ``registry.register(fn, annotation, name=..., ...)`` with the same arguments as
         :func:`nnscaler.register_op`.
 
-    The annotation is parsed when it is registered; a malformed one raises
-    ``AnnotationError`` naming this plugin. Example::
+    Everything is checked when it is registered: the annotation is parsed (a malformed
+    one raises ``AnnotationError`` naming the op and this plugin, with a caret), and a
+    non-callable, an annotation of another type, more annotated inputs than the
+    function's parameters or a bad option raise :class:`nnscaler.RegistrationError`
+    naming the op and this plugin. Example::
 
         @nnscaler.hookimpl
         def nnscaler_register_ops(registry):
@@ -84,7 +87,9 @@ def nnscaler_register_policies(registry: Registry) -> None:
     """Register PAS (partition-assign-schedule) policies by name.
 
     :param registry: a :class:`nnscaler.registry.Registry` of policies. A policy is a
-        callable ``(graph, compute_config) -> graph``.
+        callable ``(graph, compute_config) -> graph``; anything else (not callable, or a
+        signature that cannot take those two arguments) raises
+        :class:`nnscaler.RegistrationError` naming this plugin.
 
     ``parallelize(..., pas_policy="name")`` looks the name up here. Example::
 
@@ -99,7 +104,8 @@ def nnscaler_register_schedules(registry: Registry) -> None:
     """Register pipeline schedules by name.
 
     :param registry: a :class:`nnscaler.registry.Registry` of schedules. A schedule is a
-        callable ``(nstages, nmicros, nvirtual) -> list of per-device action lists``.
+        callable ``(nstages, nmicros, nvirtual) -> list of per-device action lists``;
+        anything else raises :class:`nnscaler.RegistrationError` naming this plugin.
 
     ``pas_config={"pipeline_scheduler": "name"}`` looks the name up here. Example::
 
@@ -115,7 +121,11 @@ def nnscaler_register_adapters(registry: Registry) -> None:
 
     :param registry: a :class:`nnscaler.registry.Registry` of primitives (all-reduce,
         all-gather, reduce-scatter, all-to-all, chunk, point-to-point, ...). Each
-        primitive knows its forward transition and its adjoint for backward.
+        primitive knows its forward transition and its adjoint for backward. An entry
+        must be a hashable :class:`nnscaler.layout.Primitive` registered under its own
+        name, with a transition of :data:`nnscaler.layout.steps.TRANSITIONS` (or None),
+        and its adjoint must be registered by some plugin (checked once all have
+        loaded); else :class:`nnscaler.RegistrationError` names this plugin.
 
     The layout planner only composes registered primitives, so a plugin can add a
     faster or a hierarchical one. Example::

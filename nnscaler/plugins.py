@@ -6,7 +6,17 @@ Plugins are found in this order:
    ones (pytest's model);
 2. every entry point in the group ``nnscaler`` (skipped when the environment variable
    ``NNSCALER_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value);
-3. ops registered from user code with :func:`nnscaler.register_op`.
+3. ops registered from user code with :func:`nnscaler.register_op`
+   (:data:`nnscaler.ops.registry.user_ops`, replayed into every manager).
+
+The registries validate what plugins give them (:mod:`nnscaler.registry`): a policy or
+schedule must be a callable of the right parameters, an adapter a
+:class:`~nnscaler.layout.Primitive` with a known transition whose adjoint is registered,
+an op a callable whose annotation parses and fits it. A bad value fails at load with
+:class:`~nnscaler.errors.RegistrationError` naming the plugin.
+
+The manager hands its registries down to the layers below it (which never import this
+module) through :func:`nnscaler.registry.set_registry_provider`.
 
 The manager is created lazily on first use by :func:`get_plugin_manager`; the
 environment is read then, not at import time.
@@ -26,9 +36,10 @@ import attrs
 import pluggy
 
 from nnscaler import hookspecs
-from nnscaler.errors import PluginError
-from nnscaler.ops.registry import OpRegistry
-from nnscaler.registry import USER_REGISTRANT, Registry
+from nnscaler.errors import PluginError, RegistrationError
+from nnscaler.layout.primitives import check_adjoints, validate_primitive
+from nnscaler.ops.registry import OpRegistry, user_ops
+from nnscaler.registry import USER_REGISTRANT, Registry, callable_taking, set_registry_provider
 
 ENTRY_POINT_GROUP = "nnscaler"
 DISABLE_AUTOLOAD_ENV = "NNSCALER_DISABLE_PLUGIN_AUTOLOAD"
@@ -64,32 +75,6 @@ def _autoload_disabled() -> bool:
     return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-class _UserOps:
-    """Ops registered from user code with ``register_op``; replayed into every manager."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Callable, Any, dict[str, Any]]] = []
-
-    def add(self, fn: Callable, annotation: Any, **options: Any) -> str:
-        from nnscaler.ops.registry import op_name_of
-
-        options = {k: v for k, v in options.items() if v is not None}
-        name = options.setdefault("name", op_name_of(fn))
-        manager = _MANAGER
-        if manager is not None:  # already loaded: register now, errors surface now
-            manager.ops.register(fn, annotation, registrant=USER_REGISTRANT, **options)
-        self.entries.append((fn, annotation, options))
-        return name
-
-    @hookspecs.hookimpl
-    def nnscaler_register_ops(self, registry: OpRegistry) -> None:
-        for fn, annotation, options in self.entries:
-            registry.register(fn, annotation, **options)
-
-
-user_ops = _UserOps()
-
-
 class NNScalerPluginManager:
     """A pluggy ``PluginManager`` plus the registries its plugins fill."""
 
@@ -106,9 +91,20 @@ class NNScalerPluginManager:
             plural="policies",
             install_hint="Install a policy plugin (e.g. `pip install ./plugins/policy_megatron`) "
             "or pass a callable `(graph, compute_config) -> graph` as pas_policy.",
+            validate=callable_taking(
+                "graph", "compute_config", what="policy is a callable (graph, compute_config)"
+            ),
         )
-        self.schedules: Registry[Callable] = Registry("schedule")
-        self.adapters: Registry[Any] = Registry("adapter")
+        self.schedules: Registry[Callable] = Registry(
+            "schedule",
+            validate=callable_taking(
+                "nstages", "nmicros", "nvirtual",
+                what="schedule is a callable (nstages, nmicros, nvirtual) -> action lists",
+            ),
+        )
+        self.adapters: Registry[Any] = Registry(
+            "adapter", validate=validate_primitive, validate_all=check_adjoints
+        )
         self.infos: dict[str, PluginInfo] = {}
         self._order: list[str] = []
         for modname in BUILTIN_PLUGINS:
@@ -176,17 +172,18 @@ class NNScalerPluginManager:
         for hook_name, attr in REGISTRY_HOOKS.items():
             registry: Registry = getattr(self, attr)
             hook = getattr(self.pm.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            for impl in hook.get_hookimpls():  # registration order: built-ins first
                 with registry.registering_as(impl.plugin_name):
                     try:
                         impl.function(**{a: registry for a in impl.argnames})
-                    except PluginError:
+                    except (PluginError, RegistrationError):
                         raise
                     except Exception as e:
                         raise PluginError(
                             f"plugin {impl.plugin_name!r} raised in hook {hook_name}: "
                             f"{type(e).__name__}: {e}"
                         ) from e
+            registry.check_complete()
 
     # -- queries ------------------------------------------------------------------------
     def plugins(self) -> list[PluginInfo]:
@@ -236,6 +233,19 @@ def get_plugin_manager() -> NNScalerPluginManager:
             if _MANAGER is None:
                 _MANAGER = NNScalerPluginManager()
     return _MANAGER
+
+
+def _provide(kind: str, load: bool) -> Any:
+    """The :func:`nnscaler.registry.active_registry` provider: this process's registries."""
+    manager = get_plugin_manager() if load else _MANAGER
+    if manager is None:
+        return None
+    if kind not in REGISTRY_HOOKS.values():
+        raise ValueError(f"no registry of kind {kind!r}; kinds: {sorted(REGISTRY_HOOKS.values())}")
+    return getattr(manager, kind)
+
+
+set_registry_provider(_provide)
 
 
 def reset_plugin_manager() -> None:

@@ -10,7 +10,7 @@ from nnscaler.anno.infer import BoundAnno, bind
 from nnscaler.anno.parser import STAR, DimAnno, Ident, OpAnno, Reduce, Star, TensorAnno, parse
 from nnscaler.anno.transform import (
     FrozenKwargs,
-    Layout,
+    Placement,
     Replicate,
     Split,
     Transform,
@@ -26,8 +26,8 @@ __all__ = [
     "DimAnno",
     "FrozenKwargs",
     "Ident",
-    "Layout",
     "OpAnno",
+    "Placement",
     "PromiseBrokenError",
     "Reduce",
     "Replicate",

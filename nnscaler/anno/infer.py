@@ -105,35 +105,7 @@ def bind(
     given = tuple(None if s is None else tuple(int(n) for n in s) for s in input_shapes)
 
     # 1. shapes against the dims, and what '*' stands for
-    shapes: list[Shape | None] = []
-    star: Shape | None = None
-    star_where = ""
-    for i, (tensor, shape) in enumerate(zip(anno.inputs, given, strict=True)):
-        if not tensor.is_tensor or shape is None:
-            if tensor.is_tensor:
-                raise fail(f"input {i} is annotated {str(tensor)!r} but is not a tensor "
-                           "(annotate it '?')", tensor.positions[0])
-            shapes.append(None)
-            continue
-        dims = tensor.dims or ()
-        fixed = len(dims) - tensor.has_star
-        if shape == () and str(tensor).rstrip("^") == "1":
-            shape = (1,)  # a 0-d tensor is annotated '1'
-        if len(shape) != fixed and not (tensor.has_star and len(shape) > fixed):
-            least = "at least " if tensor.has_star else ""
-            raise fail(f"input {i} has {len(shape)} dims {list(shape)} but its annotation "
-                       f"{str(tensor)!r} has {least}{fixed}", tensor.positions[0])
-        if tensor.has_star:
-            at = dims.index(Star())
-            here = shape[at: at + len(shape) - fixed]
-            if star is None:
-                star, star_where = here, f"input {i}"
-            elif here != star:
-                raise fail(f"'*' stands for dims {list(star)} in {star_where} but {list(here)} "
-                           f"in input {i}; every '*' stands for the same dims",
-                           tensor.positions[at])
-        shapes.append(shape)
-    star = star or ()
+    shapes, star = _match_inputs(anno, given, fail)
     expanded = OpAnno(
         tuple(_expand(t, star) for t in anno.inputs),
         tuple(_expand(t, star) for t in anno.outputs),
@@ -175,6 +147,42 @@ def bind(
         for t in expanded.outputs
     )
     return BoundAnno(anno, expanded, sizes, given, outputs, kwarg_idents)
+
+
+def _match_inputs(
+    anno: OpAnno, given: tuple[Shape | None, ...], fail: Callable[..., AnnotationError]
+) -> tuple[list[Shape | None], Shape]:
+    """Each input's shape checked against its dims (a 0-d tensor is ``(1,)`` where it is
+    annotated ``1``), and the dims ``*`` stands for (the same in every input)."""
+    shapes: list[Shape | None] = []
+    star: Shape | None = None
+    star_where = ""
+    for i, (tensor, shape) in enumerate(zip(anno.inputs, given, strict=True)):
+        if not tensor.is_tensor or shape is None:
+            if tensor.is_tensor:
+                raise fail(f"input {i} is annotated {str(tensor)!r} but is not a tensor "
+                           "(annotate it '?')", tensor.positions[0])
+            shapes.append(None)
+            continue
+        dims = tensor.dims or ()
+        fixed = len(dims) - tensor.has_star
+        if shape == () and str(tensor).rstrip("^") == "1":
+            shape = (1,)  # a 0-d tensor is annotated '1'
+        if len(shape) != fixed and not (tensor.has_star and len(shape) > fixed):
+            least = "at least " if tensor.has_star else ""
+            raise fail(f"input {i} has {len(shape)} dims {list(shape)} but its annotation "
+                       f"{str(tensor)!r} has {least}{fixed}", tensor.positions[0])
+        if tensor.has_star:
+            at = dims.index(Star())
+            here = shape[at: at + len(shape) - fixed]
+            if star is None:
+                star, star_where = here, f"input {i}"
+            elif here != star:
+                raise fail(f"'*' stands for dims {list(star)} in {star_where} but {list(here)} "
+                           f"in input {i}; every '*' stands for the same dims",
+                           tensor.positions[at])
+        shapes.append(shape)
+    return shapes, star or ()
 
 
 def _solve_groups(

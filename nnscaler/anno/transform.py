@@ -1,9 +1,9 @@
 """The transform space of a bound annotation: every legal way to split an op in parts.
 
 A :class:`Transform` splits input ``idx`` along dim ``dim`` in ``num`` parts and says, for
-every input and output, the layout each part holds: :class:`Split` along a dim,
+every input and output, the placement each part holds: :class:`Split` along a dim,
 :class:`ValuePartial` (the parts sum to the whole) or :class:`Replicate`. The default
-derivation reads the layouts off the annotation; a :class:`TransformRule` replaces it for
+derivation reads the placements off the annotation; a :class:`TransformRule` replaces it for
 the requests it matches.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from nnscaler.anno.infer import BoundAnno
 
 __all__ = [
-    "Split", "ValuePartial", "Replicate", "Layout", "Transform", "TransformRule",
+    "Split", "ValuePartial", "Replicate", "Placement", "Transform", "TransformRule",
     "transform_space", "split",
 ]
 
@@ -74,7 +74,7 @@ class Replicate:
         return parts[0]
 
 
-Layout = Union[Split, ValuePartial, Replicate]
+Placement = Union[Split, ValuePartial, Replicate]
 
 #: ``modifier(kwargs, idx, dim, num, part) -> kwargs`` of part ``part``
 Modifier = Callable[[dict[str, Any], int, int, int, int], dict[str, Any]]
@@ -102,7 +102,7 @@ class FrozenKwargs(Mapping[str, int]):
         return repr(self._items)
 
 
-def _layouts(value: Sequence[Layout | None]) -> tuple[Layout | None, ...]:
+def _placements(value: Sequence[Placement | None]) -> tuple[Placement | None, ...]:
     return tuple(value)
 
 
@@ -111,7 +111,7 @@ class TransformRule:
     """An op author's own split, replacing the default derivation where it applies.
 
     The rule applies to a request ``(idx, dim, num)`` when ``inputs[idx] == Split(dim)``;
-    the transform then has the rule's layouts, even for a dim the annotation marks ``^``.
+    the transform then has the rule's placements, even for a dim the annotation marks ``^``.
     ``modifier(kwargs, idx, dim, num, part)`` returns the keyword arguments of part
     ``part`` (as nnScaler's ``TransformRule``); without one the keywords stay unchanged.
 
@@ -119,7 +119,7 @@ class TransformRule:
     the same arguments and the modifier's keywords: a split that needs other code than
     the whole op (a lookup into a slice of a table masks the rows it does not hold). When
     that op is registered ``collective=True`` its parts also talk to each other: each
-    receives ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup` of the parts of the
+    receives ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup` of the parts of the
     split (a cross-entropy over classes split in parts exchanges its normalizers).
 
     A *value rule* has no ``Split`` input, only ``ValuePartial`` ones (and ``Replicate``
@@ -129,8 +129,8 @@ class TransformRule:
     every ``num >= 2``.
     """
 
-    inputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
-    outputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
+    inputs: tuple[Placement | None, ...] = attrs.field(converter=_placements)
+    outputs: tuple[Placement | None, ...] = attrs.field(converter=_placements)
     modifier: Modifier | None = None
     part_op: str | None = None
 
@@ -149,15 +149,15 @@ class TransformRule:
         return not any(isinstance(x, Split) for x in self.inputs)
 
 
-def _str_layouts(layouts: Sequence[Layout | None]) -> str:
-    return ", ".join("?" if layout is None else str(layout) for layout in layouts)
+def _str_placements(placements: Sequence[Placement | None]) -> str:
+    return ", ".join("?" if placement is None else str(placement) for placement in placements)
 
 
 @attrs.frozen
 class Transform:
     """Input ``idx`` split along ``dim`` (identifier ``ident``) in ``num`` parts.
 
-    ``inputs``/``outputs`` hold each part's layout (``None`` where the entry is ``?``);
+    ``inputs``/``outputs`` hold each part's placement (``None`` where the entry is ``?``);
     ``kwarg_updates`` are the keyword arguments each part gets instead (a hidden dim's size
     divided by ``num``); ``modifier`` comes from a :class:`TransformRule`.
     """
@@ -166,8 +166,8 @@ class Transform:
     dim: int | None
     num: int
     ident: str
-    inputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
-    outputs: tuple[Layout | None, ...] = attrs.field(converter=_layouts)
+    inputs: tuple[Placement | None, ...] = attrs.field(converter=_placements)
+    outputs: tuple[Placement | None, ...] = attrs.field(converter=_placements)
     kwarg_updates: FrozenKwargs = attrs.field(factory=FrozenKwargs, converter=FrozenKwargs)
     modifier: Modifier | None = None
     part_op: str | None = None
@@ -183,7 +183,7 @@ class Transform:
         what = (f"the values of input {self.idx}" if self.dim is None
                 else f"input {self.idx} dim {self.dim} ({self.ident!r})")
         text = (f"split {what} in {self.num}: "
-                f"{_str_layouts(self.inputs)} -> {_str_layouts(self.outputs)}")
+                f"{_str_placements(self.inputs)} -> {_str_placements(self.outputs)}")
         updates = ", ".join(f"{k}={v}" for k, v in self.kwarg_updates.items())
         text = f"{text} [{updates}]" if updates else text
         return text if self.part_op is None else f"{text} via {self.part_op}"
@@ -244,8 +244,8 @@ def _check_rules(bound: BoundAnno, rules: Sequence[TransformRule]) -> None:
     for rule in rules:
         if len(rule.inputs) != n_in or len(rule.outputs) != n_out:
             raise AnnotationError(
-                f"{rule} has {len(rule.inputs)} input and {len(rule.outputs)} output layouts but "
-                f"the annotation has {n_in} inputs and {n_out} outputs",
+                f"{rule} has {len(rule.inputs)} input and {len(rule.outputs)} output "
+                f"placements but the annotation has {n_in} inputs and {n_out} outputs",
                 annotation=bound.anno.source or str(bound.anno),
             )
 
@@ -258,16 +258,16 @@ def _make(
                          part_op=rule.part_op)
     reduce = _dims(bound.expanded.inputs[idx])[dim][0].reduce
 
-    def layout(tensor: TensorAnno, taken: bool, missing: Layout) -> Layout | None:
+    def placement(tensor: TensorAnno, taken: bool, missing: Placement) -> Placement | None:
         if not tensor.is_tensor:
             return Replicate() if taken else None
         p = _position(tensor, name)
         return missing if p is None else Split(p)
 
-    inputs = [layout(t, s is not None, Replicate())
+    inputs = [placement(t, s is not None, Replicate())
               for t, s in zip(bound.expanded.inputs, bound.input_shapes, strict=True)]
     partial = ValuePartial() if reduce is Reduce.SUM else Replicate()
-    outputs = [layout(t, False, partial) for t in bound.expanded.outputs]
+    outputs = [placement(t, False, partial) for t in bound.expanded.outputs]
     updates = {name: bound.sizes[name] // num} if name in bound.kwarg_idents else {}
     return Transform(idx, dim, num, name, inputs, outputs, updates)
 

@@ -10,8 +10,8 @@ import torch
 
 from nnscaler.anno.errors import PromiseBrokenError
 from nnscaler.anno.parser import OpAnno, parse
+from nnscaler.anno.partgroup import run_parts
 from nnscaler.anno.transform import Replicate, Transform, TransformRule, ValuePartial
-from nnscaler.ops.partgroup import run_parts
 
 __all__ = ["check_promise"]
 
@@ -62,7 +62,7 @@ def check_promise(
     replaces :meth:`Transform.part_kwargs` for ops that rewrite more arguments.
     ``part_op(name) -> (callable, collective)`` resolves the part op a transform rule
     names; a collective one gets ``group`` and its parts run together
-    (:func:`nnscaler.ops.partgroup.run_parts`). ``fn`` must be deterministic. Returns the checked transforms; raises
+    (:func:`nnscaler.anno.partgroup.run_parts`). ``fn`` must be deterministic. Returns the checked transforms; raises
     :class:`PromiseBrokenError` on the first disagreement.
     """
     anno = parse(annotation) if isinstance(annotation, str) else annotation

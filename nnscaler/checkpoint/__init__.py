@@ -2,7 +2,7 @@
 module's state dict; loaded into a parallel module of the same or any other plan.
 
 - ``model.state_dict()`` / ``model.load_state_dict(sd)`` on each rank: the rank's own
-  pieces, with the metadata needed to merge them (:mod:`nnscaler.checkpoint.meta`);
+  pieces, with the metadata needed to merge them (:mod:`nnscaler.runtime.state`);
 - :func:`merge_state_dicts`: every rank's state dicts (module and optimizer) into the
   ones the single-device module and optimizer load;
 - :func:`load_merged_state_dicts`: a full state dict into a parallel module of any plan;

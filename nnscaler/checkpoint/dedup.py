@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 from nnscaler.checkpoint.errors import CheckpointError
 from nnscaler.checkpoint.merge import owned_by
-from nnscaler.checkpoint.meta import (
+from nnscaler.checkpoint.optimizer import (
+    OPTIMIZER_KEY,
+    check_optimizer_metadata,
+    optimizer_metadata,
+    optimizer_name,
+    parallel_modules,
+)
+from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
     compare_records,
@@ -37,13 +44,6 @@ from nnscaler.checkpoint.meta import (
     numel,
     parse_dtype,
     piece_key,
-)
-from nnscaler.checkpoint.optimizer import (
-    OPTIMIZER_KEY,
-    check_optimizer_metadata,
-    optimizer_metadata,
-    optimizer_name,
-    parallel_modules,
 )
 
 __all__ = ["deduped_state_dict", "load_deduped_state_dict"]

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
-from nnscaler.checkpoint.meta import (
+from nnscaler.checkpoint.optimizer import (
+    OPTIMIZER_KEY,
+    optimizer_name,
+    parallel_modules,
+    tensor_entries,
+)
+from nnscaler.runtime.state import (
     EXTRA_KEY,
     FORMAT,
     MARKER,
@@ -33,12 +39,6 @@ from nnscaler.checkpoint.meta import (
     slicers,
     sub_shape,
     unheld_names,
-)
-from nnscaler.checkpoint.optimizer import (
-    OPTIMIZER_KEY,
-    optimizer_name,
-    parallel_modules,
-    tensor_entries,
 )
 
 __all__ = ["load_merged_state_dicts", "merge_state_dicts"]
@@ -380,45 +380,62 @@ def _check_shapes(opt: str, r: int, i: Any, state: Mapping[Any, Any], expected: 
 
 def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str, Any]]
                                 ) -> dict[str, Any]:
-    params: dict[str, _ParamState] = {}
-    group_of: dict[str, int] = {}
-    group_hyper: dict[int, dict[str, Any]] = {}
-    zero: dict[tuple[Any, ...], dict[int, tuple[int, Mapping[Any, Any], Mapping[str, Any]]]] = {}
-    zero_view: dict[tuple[Any, ...], _ModuleView] = {}
-    opt_name = "the optimizer"
-    hint = views[0].hint
+    """The optimizer state dict of the original module, from every rank's (see
+    :func:`merge_state_dicts`)."""
+    merge = _OptimizerMerge(views)
+    for r, osd in enumerate(osds):
+        merge.add_rank(r, osd)
+    merge.add_zero_shards()
+    return merge.build(max(len(osd["param_groups"]) for osd in osds))
 
-    def param_state(view: _ModuleView, rec: Mapping[str, Any]) -> _ParamState:
+
+class _OptimizerMerge:
+    """The state of each original parameter, gathered rank by rank."""
+
+    def __init__(self, views: list[_ModuleView]) -> None:
+        self.views = views
+        self.hint = views[0].hint
+        self.params: dict[str, _ParamState] = {}
+        self.group_of: dict[str, int] = {}
+        self.group_hyper: dict[int, dict[str, Any]] = {}
+        #: (prefix, reducer ranks, bucket, nshards) -> shard index -> (rank, state, desc)
+        self.zero: dict[tuple[Any, ...],
+                        dict[int, tuple[int, Mapping[Any, Any], Mapping[str, Any]]]] = {}
+        self.zero_view: dict[tuple[Any, ...], _ModuleView] = {}
+        self.opt_name = "the optimizer"
+
+    def param_state(self, view: _ModuleView, rec: Mapping[str, Any]) -> _ParamState:
         name = view.prefix + rec["name"]
-        return params.setdefault(name, _ParamState(name, rec["shape"]))
+        return self.params.setdefault(name, _ParamState(name, rec["shape"]))
 
-    def assign_group(name: str, g: int, r: int) -> None:
-        if group_of.setdefault(name, g) != g:
+    def assign_group(self, name: str, g: int, r: int) -> None:
+        if self.group_of.setdefault(name, g) != g:
             raise CheckpointError(
                 f"optimizer_state_dicts[{r}] puts {name} in parameter group {g}, another rank "
-                f"in group {group_of[name]}: every rank must group the parameters alike"
+                f"in group {self.group_of[name]}: every rank must group the parameters alike"
             )
 
-    for r, osd in enumerate(osds):
-        entries, opt, exact = _rank_entries(views, r, osd)
-        opt_name = opt
+    def add_rank(self, r: int, osd: Mapping[str, Any]) -> None:
+        """Take rank ``r``'s entries: parameter pieces now, ZeRO shards for later."""
+        entries, opt, exact = _rank_entries(self.views, r, osd)
+        self.opt_name = opt
         for g, group in enumerate(osd["param_groups"]):
-            group_hyper.setdefault(g, {k: v for k, v in group.items()
-                                       if k not in ("params", "param_names")})
+            self.group_hyper.setdefault(g, {k: v for k, v in group.items()
+                                            if k not in ("params", "param_names")})
             for i in group["params"]:
                 view, desc = entries[i]
                 state = osd["state"].get(i)
                 if desc["kind"] == "param":
                     rec = view.records[r][desc["attr"]]
-                    assign_group(view.prefix + rec["name"], g, r)
+                    self.assign_group(view.prefix + rec["name"], g, r)
                     if state and not exact:
                         _check_shapes(opt, r, i, state, sub_shape(rec["index"]),
                                       describe_piece(rec["name"], rec["shape"], rec["index"]))
                     if state:
-                        param_state(view, rec).add(opt, rec, state)
+                        self.param_state(view, rec).add(opt, rec, state)
                     continue
                 for attr, _, _ in desc["members"]:
-                    assign_group(view.prefix + view.records[r][attr]["name"], g, r)
+                    self.assign_group(view.prefix + view.records[r][attr]["name"], g, r)
                 if not state:
                     continue
                 if not exact:
@@ -426,55 +443,60 @@ def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str
                                   f"a ZeRO shard of {len(desc['members'])} parameters")
                 key = (view.prefix, tuple(desc["reducer"]), int(desc["bucket"]),
                        int(desc["nshards"]))
-                zero.setdefault(key, {}).setdefault(int(desc["shard_index"]), (r, state, desc))
-                zero_view[key] = view
+                self.zero.setdefault(key, {}).setdefault(int(desc["shard_index"]),
+                                                         (r, state, desc))
+                self.zero_view[key] = view
 
-    for key, shards in zero.items():
-        view, nshards = zero_view[key], key[3]
-        missing = [s for s in range(nshards) if s not in shards]
-        if missing:
-            raise CheckpointError(
-                f"merge_state_dicts: the ZeRO shards {missing} of {nshards} of a reducer "
-                f"bucket of ranks {list(key[1])} are in none of the optimizer state dicts "
-                f"given; {hint}"
-            )
-        r0, state0, desc0 = shards[0]
-        flat: dict[Any, torch.Tensor] = {}
-        for k, value in state0.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and \
-                    value.numel() == int(desc0["shard_numel"]):
-                flat[k] = torch.cat([shards[s][1][k].reshape(-1) for s in range(nshards)])
-        for attr, offset, count in desc0["members"]:
-            rec = view.records[r0][attr]
-            cut = {k: f[int(offset): int(offset) + int(count)].view(sub_shape(rec["index"]))
-                   for k, f in flat.items()}
-            param_state(view, rec).add(opt_name, rec, state0, pieces_of=cut)
+    def add_zero_shards(self) -> None:
+        """Join each reducer bucket's shards and cut them into its parameters' pieces."""
+        for key, shards in self.zero.items():
+            view, nshards = self.zero_view[key], key[3]
+            missing = [s for s in range(nshards) if s not in shards]
+            if missing:
+                raise CheckpointError(
+                    f"merge_state_dicts: the ZeRO shards {missing} of {nshards} of a reducer "
+                    f"bucket of ranks {list(key[1])} are in none of the optimizer state dicts "
+                    f"given; {self.hint}"
+                )
+            r0, state0, desc0 = shards[0]
+            flat: dict[Any, torch.Tensor] = {}
+            for k, value in state0.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and \
+                        value.numel() == int(desc0["shard_numel"]):
+                    flat[k] = torch.cat([shards[s][1][k].reshape(-1) for s in range(nshards)])
+            for attr, offset, count in desc0["members"]:
+                rec = view.records[r0][attr]
+                cut = {k: f[int(offset): int(offset) + int(count)].view(sub_shape(rec["index"]))
+                       for k, f in flat.items()}
+                self.param_state(view, rec).add(self.opt_name, rec, state0, pieces_of=cut)
 
-    order: list[str] = []
-    extra_trainable: set[str] = set()
-    for view in views:
-        order += [view.prefix + n for n in view.param_order()]
-        extra_trainable.update(view.prefix + n for n in view.unheld_trainable())
-    order += [n for n in group_of if n not in set(order)]
-    ngroups = max(len(osd["param_groups"]) for osd in osds)
-    names_by_group: list[list[str]] = [[] for _ in range(ngroups)]
-    for name in order:
-        if name in group_of:
-            names_by_group[group_of[name]].append(name)
-        elif name in extra_trainable:
-            names_by_group[0].append(name)  # unused by the graph: no state, first group
-    state_out: dict[int, dict[Any, Any]] = {}
-    groups_out: list[dict[str, Any]] = []
-    index = 0
-    for g, names in enumerate(names_by_group):
-        ids = []
-        for name in names:
-            ids.append(index)
-            if name in params:
-                state_out[index] = params[name].build(hint)
-            index += 1
-        groups_out.append({**group_hyper.get(g, {}), "params": ids, "param_names": names})
-    return {"state": state_out, "param_groups": groups_out}
+    def build(self, ngroups: int) -> dict[str, Any]:
+        """The merged state dict: groups in rank order, parameters in the module's order."""
+        order: list[str] = []
+        extra_trainable: set[str] = set()
+        for view in self.views:
+            order += [view.prefix + n for n in view.param_order()]
+            extra_trainable.update(view.prefix + n for n in view.unheld_trainable())
+        order += [n for n in self.group_of if n not in set(order)]
+        names_by_group: list[list[str]] = [[] for _ in range(ngroups)]
+        for name in order:
+            if name in self.group_of:
+                names_by_group[self.group_of[name]].append(name)
+            elif name in extra_trainable:
+                names_by_group[0].append(name)  # unused by the graph: no state, first group
+        state_out: dict[int, dict[Any, Any]] = {}
+        groups_out: list[dict[str, Any]] = []
+        index = 0
+        for g, names in enumerate(names_by_group):
+            ids = []
+            for name in names:
+                ids.append(index)
+                if name in self.params:
+                    state_out[index] = self.params[name].build(self.hint)
+                index += 1
+            groups_out.append({**self.group_hyper.get(g, {}), "params": ids,
+                               "param_names": names})
+        return {"state": state_out, "param_groups": groups_out}
 
 
 def merge_state_dicts(
@@ -570,6 +592,26 @@ def load_merged_state_dicts(
     tensors are updated in place wherever they live); None cuts them where the state dict
     lies.
     """
+    _check_load_args(module, module_state_dict, optimizer, optimizer_state_dict)
+    dev = torch.device(device) if device is not None else None
+    pms = parallel_modules(module)
+    if not pms:
+        module.load_state_dict(module_state_dict)
+        if optimizer is not None and optimizer_state_dict is not None:
+            optimizer.load_state_dict(optimizer_state_dict)
+        return
+    local = _local_module_state(module, pms, module_state_dict, dev)
+    local_opt = None
+    if optimizer is not None and optimizer_state_dict is not None:
+        local_opt = _local_optimizer_state(pms, optimizer, optimizer_state_dict, dev)
+    # everything checked: load (a failure above changed nothing)
+    module.load_state_dict(local, strict=True)
+    if optimizer is not None and local_opt is not None:
+        optimizer.load_state_dict(local_opt)
+
+
+def _check_load_args(module: Any, module_state_dict: Any, optimizer: Any,
+                     optimizer_state_dict: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_merged_state_dicts takes the module first, got "
                         f"{type(module).__name__}")
@@ -581,28 +623,26 @@ def load_merged_state_dicts(
             "load_merged_state_dicts: pass both optimizer and optimizer_state_dict, or "
             "neither"
         )
-    dev = torch.device(device) if device is not None else None
-    pms = parallel_modules(module)
-    if not pms:
-        module.load_state_dict(module_state_dict)
-        if optimizer is not None and optimizer_state_dict is not None:
-            optimizer.load_state_dict(optimizer_state_dict)
-        return
-    if any(is_extra_state(v) for k, v in module_state_dict.items() if k.endswith(EXTRA_KEY)):
+
+
+def _local_module_state(module: torch.nn.Module, pms: list[tuple[str, Any]],
+                        full: Mapping[str, Any], dev: torch.device | None) -> dict[str, Any]:
+    """This rank's state dict of ``module``, cut from the full one; every key of ``full``
+    is used and every key of the module found, else the first misfit is an error."""
+    if any(is_extra_state(v) for k, v in full.items() if k.endswith(EXTRA_KEY)):
         raise CheckpointError(
             "load_merged_state_dicts takes a merged (full) state dict, but this one is a "
             "rank's own state dict (it carries parallel-module metadata); merge the ranks' "
             "state dicts with merge_state_dicts first, or load it with load_state_dict into "
             "the same plan"
         )
-    own = module.state_dict()
     local: dict[str, Any] = {}
     consumed: set[str] = set()
     cls = type(module).__qualname__
-    for key, value in own.items():
+    for key, value in module.state_dict().items():  # the keys outside the parallel modules
         if any(owned_by(p, key) for p, _ in pms):
             continue
-        given = module_state_dict.get(key)
+        given = full.get(key)
         if given is None:
             raise _mismatch(cls, key, "absent", tuple(getattr(value, "shape", ())))
         if isinstance(value, torch.Tensor) and (not isinstance(given, torch.Tensor)
@@ -610,62 +650,63 @@ def load_merged_state_dicts(
             raise _mismatch(cls, key, tuple(getattr(given, "shape", ())), tuple(value.shape))
         local[key] = given
         consumed.add(key)
-    open_prefixes = []
-    for prefix, pm in pms:
-        name = f"{type(pm).__qualname__} (rank {pm.rank})"
-        info = plan_info(pm)
-        for entry in info.manifest or ():  # the whole original module, held here or not
-            if entry["kind"] == "buffer" and not entry["persistent"]:
-                continue
-            for n in entry["names"]:
-                value = module_state_dict.get(prefix + n)
-                shape = tuple(getattr(value, "shape", ()))
-                if value is None or shape != tuple(entry["shape"]):
-                    raise _mismatch(name, prefix + n, "absent" if value is None else shape,
-                                    entry["shape"])
-                consumed.add(prefix + n)
-        for attr, meta in pm.fullmap.items():
-            if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
-                continue
-            key, full = _full_of(module_state_dict, prefix, meta.names)
-            if full is None:
-                raise _mismatch(name, key, "absent", meta.shape)
-            if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(meta.shape):
-                raise _mismatch(name, key, tuple(getattr(full, "shape", ())), meta.shape)
-            consumed.update(prefix + n for n in meta.names)
-            local[prefix + attr] = _cut(full, meta, dev)
-        extra: dict[str, Any] = {MARKER: FORMAT,
-                                 "attrs": [attr_record(a, m) for a, m in pm.fullmap.items()]}
-        names = unheld_names(info.manifest)
-        if names is not None:
-            unheld = {}
-            for n in names:
-                value = module_state_dict.get(prefix + n)
-                if value is None:
-                    raise _mismatch(name, prefix + n, "absent", _manifest_shape(info.manifest, n))
-                unheld[n] = value
-                consumed.add(prefix + n)
-            extra["unheld"] = unheld
-        else:
-            open_prefixes.append(prefix)
-        local[prefix + EXTRA_KEY] = extra
-    unexpected = [k for k in module_state_dict if k not in consumed]
+    open_prefixes = [prefix for prefix, pm in pms
+                     if not _take_parallel_module(prefix, pm, full, dev, local, consumed)]
+    unexpected = [k for k in full if k not in consumed]
     for prefix in open_prefixes:  # the plan's full list of names is unknown: keep the rest
-        taken = {k: module_state_dict[k] for k in unexpected if k.startswith(prefix)}
+        taken = {k: full[k] for k in unexpected if k.startswith(prefix)}
         if taken:
             local[prefix + EXTRA_KEY]["unheld"] = {k[len(prefix):]: v for k, v in taken.items()}
             unexpected = [k for k in unexpected if k not in taken]
     if unexpected:
         key = unexpected[0]
-        raise _mismatch(cls, key, tuple(getattr(module_state_dict[key], "shape", ())),
-                        "absent")
-    local_opt = None
-    if optimizer is not None and optimizer_state_dict is not None:
-        local_opt = _local_optimizer_state(pms, optimizer, optimizer_state_dict, dev)
-    # everything checked: load (a failure above changed nothing)
-    module.load_state_dict(local, strict=True)
-    if optimizer is not None and local_opt is not None:
-        optimizer.load_state_dict(local_opt)
+        raise _mismatch(cls, key, tuple(getattr(full[key], "shape", ())), "absent")
+    return local
+
+
+def _take_parallel_module(prefix: str, pm: Any, full: Mapping[str, Any],
+                          dev: torch.device | None, local: dict[str, Any],
+                          consumed: set[str]) -> bool:
+    """Put the pieces and metadata of the parallel module ``pm`` (at ``prefix``) into
+    ``local``, and the keys of ``full`` used into ``consumed``. False when the plan does
+    not list the original module's names (the caller then keeps the rest as unheld)."""
+    name = f"{type(pm).__qualname__} (rank {pm.rank})"
+    info = plan_info(pm)
+    for entry in info.manifest or ():  # the whole original module, held here or not
+        if entry["kind"] == "buffer" and not entry["persistent"]:
+            continue
+        for n in entry["names"]:
+            value = full.get(prefix + n)
+            shape = tuple(getattr(value, "shape", ()))
+            if value is None or shape != tuple(entry["shape"]):
+                raise _mismatch(name, prefix + n, "absent" if value is None else shape,
+                                entry["shape"])
+            consumed.add(prefix + n)
+    for attr, meta in pm.fullmap.items():
+        if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
+            continue
+        key, value = _full_of(full, prefix, meta.names)
+        if value is None:
+            raise _mismatch(name, key, "absent", meta.shape)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(meta.shape):
+            raise _mismatch(name, key, tuple(getattr(value, "shape", ())), meta.shape)
+        consumed.update(prefix + n for n in meta.names)
+        local[prefix + attr] = _cut(value, meta, dev)
+    extra: dict[str, Any] = {MARKER: FORMAT,
+                             "attrs": [attr_record(a, m) for a, m in pm.fullmap.items()]}
+    local[prefix + EXTRA_KEY] = extra
+    names = unheld_names(info.manifest)
+    if names is None:
+        return False
+    unheld = {}
+    for n in names:
+        value = full.get(prefix + n)
+        if value is None:
+            raise _mismatch(name, prefix + n, "absent", _manifest_shape(info.manifest, n))
+        unheld[n] = value
+        consumed.add(prefix + n)
+    extra["unheld"] = unheld
+    return True
 
 
 def _manifest_shape(manifest: Any, name: str) -> tuple[int, ...]:

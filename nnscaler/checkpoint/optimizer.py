@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.errors import CheckpointError, StateDictMismatchError
-from nnscaler.checkpoint.meta import FORMAT, attr_record, descriptor_map, optimizer_entry_id
+from nnscaler.runtime.state import FORMAT, attr_record, descriptor_map, optimizer_entry_id
 
 __all__ = ["OPTIMIZER_KEY", "optimizer_metadata", "parallel_modules", "track_optimizer"]
 

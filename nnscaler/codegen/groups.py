@@ -16,8 +16,7 @@ from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.layouts import shifted
 from nnscaler.ir import TensorKind
 from nnscaler.layout import plan as make_plan
-from nnscaler.runtime.adapters import plan_groups
-from nnscaler.runtime.zero import zero_groups
+from nnscaler.runtime import plan_groups, zero_groups
 
 if TYPE_CHECKING:
     from nnscaler.codegen.program import Program

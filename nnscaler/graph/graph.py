@@ -25,9 +25,11 @@ from typing import Any
 import attrs
 import torch.utils._pytree as pytree
 
-from nnscaler.anno import AnnotationError, Layout, Split, Transform, ValuePartial
+from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
 from nnscaler.graph.errors import PartitionError, PlanError, StagingError
 from nnscaler.ir import FullTensor, Graph, Op, OpPlan, SubTensor, tensors_in
+from nnscaler.ops.registry import OpRegistry
+from nnscaler.registry import active_registry
 
 _GLOB = frozenset("*?[")
 
@@ -61,14 +63,19 @@ class IRGraph(Graph):
         self._split: dict[Op, tuple[Transform, int]] = {}  # part -> (its transform, part)
         self._recompute_groups = 0
         self.num_stages = 0
+        self._ops: OpRegistry | None = None  # None: the process-wide op registry
 
     @classmethod
-    def from_graph(cls, graph: Graph) -> IRGraph:
+    def from_graph(cls, graph: Graph, *, ops: OpRegistry | None = None) -> IRGraph:
         """A copy of ``graph`` for a policy to edit; ``graph`` itself is left unchanged.
 
         Tensors are shared (they are values); every op is copied with its own plan.
+        ``ops`` is the op registry that resolves the ops the graph inserts (multiref, a
+        transform rule's part op); default: the one ``graph`` had, else the process-wide
+        registry.
         """
         new = cls()
+        new._ops = ops if ops is not None else getattr(graph, "_ops", None)
         mapping = {op: attrs.evolve(op, plan=op.plan.copy()) for op in graph.ops}
         new.ops = list(mapping.values())
         new.tensors = list(graph.tensors)
@@ -90,6 +97,10 @@ class IRGraph(Graph):
             new._origin.setdefault(op, op)
         new.reindex()
         return new
+
+    def op_registry(self) -> OpRegistry:
+        """The op registry that resolves the ops this graph inserts by name."""
+        return self._ops if self._ops is not None else active_registry("ops")
 
     # -- finding ops --------------------------------------------------------------------
     def nodes(self) -> list[Op]:
@@ -320,7 +331,7 @@ class IRGraph(Graph):
     def _part(self, op: Op, t: Transform, part: int) -> Op:
         """Part ``part`` of ``op`` split by ``t``: its pieces, keyword arguments, annotation."""
 
-        def piece(sub: SubTensor, layout: Layout | None) -> SubTensor:
+        def piece(sub: SubTensor, layout: Placement | None) -> SubTensor:
             if isinstance(layout, Split):
                 return sub.split(layout.dim, t.num)[part]
             if isinstance(layout, ValuePartial):
@@ -357,10 +368,8 @@ class IRGraph(Graph):
             raise fail("the op has no annotation")
         kwargs = opdef.part_kwargs(t, op.kwargs, part)
         if t.part_op is not None:  # the parts call another op (a transform rule's part_op)
-            from nnscaler.plugins import get_plugin_manager
-
             try:
-                opdef = get_plugin_manager().ops.get(t.part_op)
+                opdef = self.op_registry().get(t.part_op)
             except LookupError as e:
                 raise fail(f"its transform rule names the part op {t.part_op!r}, which is "
                            f"not registered: {e}") from None
@@ -393,7 +402,6 @@ class IRGraph(Graph):
         partition and assign it like any other op.
         """
         from nnscaler.graph.ops import MULTIREF_NAME, multiref_annotation
-        from nnscaler.plugins import get_plugin_manager
 
         if not isinstance(tensor, (FullTensor, SubTensor)):
             raise TypeError(f"multiref takes a tensor of the graph (a FullTensor or a piece of "
@@ -412,7 +420,7 @@ class IRGraph(Graph):
             if any(before.full is full for before, _ in op.mutations):
                 raise PlanError(f"multiref {full}: {self.describe(op)} changes it in place, "
                                 f"so its consumers cannot each take a copy")
-        opdef = get_plugin_manager().ops.get(MULTIREF_NAME)
+        opdef = self.op_registry().get(MULTIREF_NAME)
         times = len(groups)
         anno = multiref_annotation(full.ndim, times)
         first = consumers[0]

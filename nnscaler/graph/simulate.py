@@ -11,7 +11,7 @@ so autograd runs through the pieces back to the module's parameters.
 
 The parts of a split that talk to each other (a collective part op, e.g. a cross-entropy
 over classes split in parts) run together, as threads joined by a
-:class:`~nnscaler.ops.partgroup.PartGroup`.
+:class:`~nnscaler.anno.partgroup.PartGroup`.
 
 Devices are not simulated: every instance runs here, whatever its device. Moving pieces
 between devices is the layout layer's job, with its own simulator.
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from nnscaler.anno.partgroup import PartGroup, run_parts
 from nnscaler.graph.check import written_by
 from nnscaler.graph.errors import RunPlanError
-from nnscaler.graph.graph import as_irgraph
+from nnscaler.graph.graph import IRGraph, as_irgraph
 from nnscaler.graph.pieces import Gap, Ranges, ValueKey, cover
 from nnscaler.ir import (
     CURRENT_DEVICE,
@@ -39,7 +40,6 @@ from nnscaler.ir import (
     default_device,
     leaf_values,
 )
-from nnscaler.ops.partgroup import PartGroup, run_parts
 
 
 def _slices(ranges: Ranges, within: Ranges) -> tuple[slice, ...]:
@@ -76,32 +76,42 @@ def run_plan(
     :class:`~nnscaler.graph.RunPlanError` when a piece cannot be formed (run
     :func:`~nnscaler.graph.check_plan` first for the full diagnosis).
     """
-    g = as_irgraph(graph)
-    leaves = leaf_values(g, module, forward_args)
-    device = default_device(leaves) if device is None else torch.device(device)
-    written: dict[FullTensor, list[tuple[SubTensor, ValueKey, torch.Tensor]]] = {}
-    regions: dict[tuple[FullTensor, Ranges], torch.Tensor] = {}
-    pieces_of: dict[Op, list[SubTensor]] = {}
-    for op in g.ops:
-        pieces_of.setdefault(g.origin(op), []).extend(op.input_tensors() + op.output_tensors())
-    whole = {o for o, pieces in pieces_of.items() if all(p.is_whole for p in pieces)}
-    ran_in_place: set[Op] = set()
+    return _PlanRun(as_irgraph(graph), module, forward_args, device).run_all()
 
-    def who(reader: Op | None) -> str:
-        return "the graph's output" if reader is None else g.describe(reader)
 
-    def region(full: FullTensor, ranges: Ranges, reader: Op | None) -> torch.Tensor:
+class _PlanRun:
+    """One run of :func:`run_plan`: the pieces written so far and the regions assembled."""
+
+    def __init__(self, g: IRGraph, module: torch.nn.Module | Mapping[str, torch.Tensor],
+                 forward_args: Mapping[str, Any], device: torch.device | str | None) -> None:
+        self.g = g
+        self.leaves = leaf_values(g, module, forward_args)
+        self.device = default_device(self.leaves) if device is None else torch.device(device)
+        self.written: dict[FullTensor, list[tuple[SubTensor, ValueKey, torch.Tensor]]] = {}
+        self.regions: dict[tuple[FullTensor, Ranges], torch.Tensor] = {}
+        pieces_of: dict[Op, list[SubTensor]] = {}
+        for op in g.ops:
+            pieces_of.setdefault(g.origin(op), []).extend(op.input_tensors() + op.output_tensors())
+        self.whole = {o for o, pieces in pieces_of.items() if all(p.is_whole for p in pieces)}
+        self.ran_in_place: set[Op] = set()
+        self.ran_together: set[Op] = set()
+
+    # -- reading pieces -----------------------------------------------------------------
+    def who(self, reader: Op | None) -> str:
+        return "the graph's output" if reader is None else self.g.describe(reader)
+
+    def region(self, full: FullTensor, ranges: Ranges, reader: Op | None) -> torch.Tensor:
         """The whole value of ``full`` over ``ranges``, for ``reader`` (None: the output)."""
-        if full in leaves:
-            return _cut(leaves[full], ranges, full.whole().indmap)
+        if full in self.leaves:
+            return _cut(self.leaves[full], ranges, full.whole().indmap)
         key = (full, ranges)
-        if key in regions:
-            return regions[key]
-        entries = written.get(full, [])
+        if key in self.regions:
+            return self.regions[key]
+        entries = self.written.get(full, [])
         found = cover(ranges, [e[0] for e in entries], [e[1] for e in entries])
         if isinstance(found, Gap):
-            raise RunPlanError(f"{who(reader)} reads {full} over {list(ranges)}, but the pieces "
-                               f"written before it do not form it at {found}; "
+            raise RunPlanError(f"{self.who(reader)} reads {full} over {list(ranges)}, but the "
+                               f"pieces written before it do not form it at {found}; "
                                f"check_plan(graph, ndevices) explains which op is missing")
         sums = []
         for cell in found:
@@ -117,53 +127,82 @@ def run_plan(
             total = torch.zeros([b - a for a, b in ranges], dtype=first.dtype, device=first.device)
             for cell_ranges, value in sums:
                 total[_slices(cell_ranges, ranges)] = value
-        regions[key] = total
+        self.regions[key] = total
         return total
 
-    def read(piece: SubTensor, reader: Op | None) -> torch.Tensor:
-        value = region(piece.full, piece.indmap, reader)
+    def read(self, piece: SubTensor, reader: Op | None) -> torch.Tensor:
+        value = self.region(piece.full, piece.indmap, reader)
         part, _ = piece.valmap
         return value if part == 0 else torch.zeros_like(value)
 
-    def run(op: Op, computed: Any = _NOT_RUN) -> None:
-        origin = g.origin(op)
+    def plain(self, leaf: Any, reader: Op | None) -> Any:
+        """The value of one argument leaf: a piece read for ``reader``, the device, or a
+        constant."""
+        if isinstance(leaf, SubTensor):
+            return self.read(leaf, reader)
+        return self.device if leaf is CURRENT_DEVICE else leaf
+
+    # -- running ops --------------------------------------------------------------------
+    def run_all(self) -> Any:
+        grad_on = torch.is_grad_enabled()
+        try:
+            for op in self.g.ops:
+                torch.set_grad_enabled(grad_on and not op.no_grad)
+                if op in self.ran_together:
+                    continue
+                if op.opdef is not None and op.opdef.collective:
+                    self.run_together(op)
+                else:
+                    self.run(op)
+        finally:
+            torch.set_grad_enabled(grad_on)
+        return pytree.tree_map(lambda leaf: self.plain(leaf, None), self.g.outputs)
+
+    def run(self, op: Op, computed: Any = _NOT_RUN) -> None:
+        """Run one instance (or take its ``computed`` result) and record what it wrote."""
+        origin = self.g.origin(op)
         mutated = {before: after for before, after in op.mutations}
         # An in-place op whose instances all hold whole pieces runs once, on the very
         # tensors (so that writes through views reach their base, as in run_graph); its
         # replicas write the same pieces. Otherwise each instance writes its own copy.
-        in_place = bool(mutated) and origin in whole
-        if in_place and origin in ran_in_place:
+        in_place = bool(mutated) and origin in self.whole
+        if in_place and origin in self.ran_in_place:
             return
         if in_place:
-            ran_in_place.add(origin)
+            self.ran_in_place.add(origin)
         read_fulls = {p.full for p in op.input_tensors()}
         through_view = [b for b in mutated if b.full not in read_fulls]
         if through_view and not in_place:
             raise RunPlanError(
-                f"{g.describe(op)} writes {through_view[0].full} in place through a view; the "
-                f"simulator follows such writes only when every instance of the op is whole"
+                f"{self.g.describe(op)} writes {through_view[0].full} in place through a view; "
+                f"the simulator follows such writes only when every instance of the op is whole"
             )
         values: dict[SubTensor, torch.Tensor] = {}
 
         def value_of(leaf: Any) -> Any:
             if isinstance(leaf, SubTensor):
                 if leaf not in values:
-                    value = read(leaf, op)
+                    value = self.read(leaf, op)
                     if leaf in mutated and not in_place:
                         value = value.clone()  # each instance writes its own copy
                     values[leaf] = value
                 return values[leaf]
-            if leaf is CURRENT_DEVICE:
-                return device
-            return leaf
+            return self.plain(leaf, op)
 
         inputs = pytree.tree_map(value_of, list(op.inputs))
         kwargs = pytree.tree_map(value_of, dict(op.kwargs))
         result = op.call(inputs, kwargs) if computed is _NOT_RUN else computed
+        produced = self.outputs_of(op, result)
+        self.add_mutations(op, produced, values, mutated)
+        for piece, key in written_by(self.g, op):
+            self.written.setdefault(piece.full, []).append((piece, key, produced[piece]))
+
+    def outputs_of(self, op: Op, result: Any) -> dict[SubTensor, torch.Tensor]:
+        """The pieces ``op`` wrote, from its result, checked against the graph."""
         results = pytree.tree_leaves(result)
         if len(results) != len(op.outputs):
-            raise RunPlanError(f"{g.describe(op)} returned {len(results)} values where the graph "
-                               f"records {len(op.outputs)}")
+            raise RunPlanError(f"{self.g.describe(op)} returned {len(results)} values where the "
+                               f"graph records {len(op.outputs)}")
         produced: dict[SubTensor, torch.Tensor] = {}
         for ir, value in zip(op.outputs, results, strict=True):
             if not isinstance(ir, SubTensor):
@@ -171,9 +210,15 @@ def run_plan(
             if not isinstance(value, torch.Tensor) or not _same_shape(tuple(value.shape), ir.shape):
                 got = (f"shape {list(value.shape)}" if isinstance(value, torch.Tensor)
                        else type(value).__name__)
-                raise RunPlanError(f"{g.describe(op)} should write the piece {ir} of shape "
+                raise RunPlanError(f"{self.g.describe(op)} should write the piece {ir} of shape "
                                    f"{list(ir.shape)} but returned {got}")
             produced.setdefault(ir, value.reshape(ir.shape))
+        return produced
+
+    def add_mutations(self, op: Op, produced: dict[SubTensor, torch.Tensor],
+                      values: dict[SubTensor, torch.Tensor],
+                      mutated: dict[SubTensor, SubTensor]) -> None:
+        """Add to ``produced`` the new values of the tensors ``op`` wrote in place."""
         for before, after in op.mutations:
             if after in produced:
                 continue
@@ -181,60 +226,29 @@ def run_plan(
                 produced[after] = values[before]
                 continue
             # written through a view: the base must share the view's storage
-            value = read(before, op)
+            value = self.read(before, op)
             storage = value.untyped_storage().data_ptr()
             if not any(values[b].untyped_storage().data_ptr() == storage
                        for b in mutated if b in values):
                 raise RunPlanError(
-                    f"{g.describe(op)} writes {before.full} in place through a view, but here "
-                    f"the view's value was assembled from pieces, so the write cannot reach "
-                    f"its base; keep the ops between the base and the write whole"
+                    f"{self.g.describe(op)} writes {before.full} in place through a view, but "
+                    f"here the view's value was assembled from pieces, so the write cannot "
+                    f"reach its base; keep the ops between the base and the write whole"
                 )
             produced[after] = value
-        for piece, key in written_by(g, op):
-            written.setdefault(piece.full, []).append((piece, key, produced[piece]))
 
-    def run_together(op: Op) -> None:
+    def run_together(self, op: Op) -> None:
         """The parts of a split that talk to each other (a collective part op) run at
-        once, as threads joined by a PartGroup (nnscaler.ops.partgroup.run_parts)."""
-        parts = g.split_parts(op)
+        once, as threads joined by a PartGroup (nnscaler.anno.partgroup.run_parts)."""
+        parts = self.g.split_parts(op)
         calls = []
         for part in parts:
             if part.mutations:
-                raise RunPlanError(f"{g.describe(part)} is a collective part op that writes "
-                                   f"in place, which the simulator does not follow")
-
-            def value_of(leaf: Any, part: Op = part) -> Any:
-                if isinstance(leaf, SubTensor):
-                    return read(leaf, part)
-                return device if leaf is CURRENT_DEVICE else leaf
-
-            inputs = pytree.tree_map(value_of, list(part.inputs))
-            kwargs = pytree.tree_map(value_of, dict(part.kwargs))
+                raise RunPlanError(f"{self.g.describe(part)} is a collective part op that "
+                                   f"writes in place, which the simulator does not follow")
+            inputs = pytree.tree_map(lambda leaf, p=part: self.plain(leaf, p), list(part.inputs))
+            kwargs = pytree.tree_map(lambda leaf, p=part: self.plain(leaf, p), dict(part.kwargs))
             calls.append(functools.partial(_call_part, part, inputs, kwargs))
         for part, result in zip(parts, run_parts(calls), strict=True):
-            ran_together.add(part)
-            run(part, result)
-
-    grad_on = torch.is_grad_enabled()
-    ran_together: set[Op] = set()
-    try:
-        for op in g.ops:
-            torch.set_grad_enabled(grad_on and not op.no_grad)
-            if op in ran_together:
-                continue
-            if op.opdef is not None and op.opdef.collective:
-                run_together(op)
-            else:
-                run(op)
-    finally:
-        torch.set_grad_enabled(grad_on)
-
-    def output(leaf: Any) -> Any:
-        if isinstance(leaf, SubTensor):
-            return read(leaf, None)
-        if leaf is CURRENT_DEVICE:
-            return device
-        return leaf
-
-    return pytree.tree_map(output, g.outputs)
+            self.ran_together.add(part)
+            self.run(part, result)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from nnscaler.errors import NNScalerError
 from nnscaler.ir.op import Op, tensors_in
 from nnscaler.ir.tensor import FullTensor, SubTensor, TensorKind
 
 
-class GraphError(ValueError):
+class GraphError(NNScalerError, ValueError):
     """A graph whose ops do not connect: a tensor read before any op produced it."""
 
 

@@ -18,7 +18,7 @@ from nnscaler.ir.graph import Graph
 from nnscaler.ir.tensor import CURRENT_DEVICE, FullTensor, SubTensor, TensorKind
 
 
-class InterpreterError(ValueError):
+class InterpreterError(NNScalerError, ValueError):
     """Arguments or state that do not fit the graph being run."""
 
 

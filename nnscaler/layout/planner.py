@@ -41,7 +41,9 @@ from typing import Any
 import attrs
 
 from nnscaler.layout.layout import Box, Layout, LayoutError, ravel, unravel
+from nnscaler.layout.primitives import validate_primitive
 from nnscaler.layout.steps import Group, Plan, Primitive, Step
+from nnscaler.registry import Registry, active_registry
 
 __all__ = ["plan"]
 
@@ -550,27 +552,32 @@ def _plan_cached(src: Layout, dst: Layout, items: tuple[tuple[str, Primitive], .
 
 def _snapshot(registry: Any) -> tuple[tuple[str, Primitive], ...]:
     if registry is None:
-        from nnscaler.plugins import get_plugin_manager
-
-        registry = get_plugin_manager().adapters
+        registry = active_registry("adapters")
     try:
-        items = registry.items()
+        items = tuple(registry.items())
     except AttributeError:
         raise LayoutError(
             f"plan(): registry must be a nnscaler Registry or a mapping of name -> "
             f"Primitive, got {type(registry).__name__}. Fix: pass "
             f"get_plugin_manager().adapters or leave registry out."
         ) from None
-    return tuple((name, obj) for name, obj in items if isinstance(obj, Primitive))
+    if not isinstance(registry, Registry):  # a plain mapping: nothing validated it yet
+        for name, obj in items:
+            try:
+                validate_primitive(name, obj)
+            except (TypeError, ValueError) as e:
+                raise LayoutError(f"plan(): the registry's entry {name!r} ({obj!r}): {e}.") from None
+    return items
 
 
 def plan(src: Layout, dst: Layout, registry: Any = None) -> Plan:
     """The cheapest plan found that turns a tensor in layout ``src`` into layout ``dst``.
 
     ``registry`` holds the primitives the planner may compose: a
-    :class:`nnscaler.registry.Registry` (default: the plugin manager's adapter registry)
-    or a mapping ``name -> Primitive``. Objects that are not :class:`Primitive` are
-    ignored. The result is cached on the layouts and the registered primitives.
+    :class:`nnscaler.registry.Registry` (default: the plugin manager's adapter registry,
+    whose entries were validated at registration) or a mapping ``name -> Primitive``
+    (validated here: anything else is a :class:`LayoutError`). The result is cached on
+    the layouts and the registered primitives.
     """
     for name, layout in (("src", src), ("dst", dst)):
         if not isinstance(layout, Layout):
@@ -583,10 +590,4 @@ def plan(src: Layout, dst: Layout, registry: Any = None) -> Plan:
             f"{dst!r}. A layout change keeps the full shape. Fix: build both layouts with "
             f"the same shape (a reshape is an op, not a layout change)."
         )
-    items = _snapshot(registry)
-    try:
-        return _plan_cached(src, dst, items)
-    except TypeError as e:  # an unhashable plugin primitive: plan without the cache
-        if "unhashable" not in str(e):
-            raise
-        return _search(src, dst, _Registry(items))
+    return _plan_cached(src, dst, _snapshot(registry))

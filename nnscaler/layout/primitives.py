@@ -43,9 +43,10 @@ from typing import Any
 import attrs
 import torch
 
+from nnscaler.errors import RegistrationError
 from nnscaler.hookspecs import hookimpl
 from nnscaler.layout.layout import LayoutError
-from nnscaler.layout.steps import Group, Primitive
+from nnscaler.layout.steps import TRANSITIONS, Group, Primitive
 from nnscaler.registry import Registry
 
 __all__ = [
@@ -61,7 +62,9 @@ __all__ = [
     "Reduce",
     "ReduceScatter",
     "ValueSplit",
+    "check_adjoints",
     "nnscaler_register_adapters",
+    "validate_primitive",
 ]
 
 
@@ -359,6 +362,54 @@ BUILTIN_PRIMITIVES: tuple[Primitive, ...] = (
     Reduce(),
     IdentityAllReduce(),
 )
+
+
+def validate_primitive(name: str, obj: Any) -> None:
+    """The adapter registry's ``validate``: ``obj`` is a hashable :class:`Primitive`
+    registered under its own name, with a transition of :data:`TRANSITIONS` (or None) and
+    an adjoint name. (That the adjoint is registered is :func:`check_adjoints`'s job, once
+    every plugin has registered.)"""
+    if not isinstance(obj, Primitive):
+        raise TypeError(
+            f"it is a {type(obj).__name__}, not a nnscaler.layout.Primitive. Fix: subclass "
+            f"Primitive (a frozen attrs class with name, adjoint, transition, forward and "
+            f"cost) and register an instance"
+        )
+    if obj.name != name:
+        raise ValueError(
+            f"it is registered as {name!r} but its name is {obj.name!r}; steps and "
+            f"adjoints refer to primitives by name. "
+            f"Fix: registry.register(prim.name, prim)"
+        )
+    if obj.transition is not None and obj.transition not in TRANSITIONS:
+        raise ValueError(
+            f"its transition {obj.transition!r} is not one of {list(TRANSITIONS)} (or None "
+            f"for a primitive the planner never chooses)"
+        )
+    if not isinstance(obj.adjoint, str) or not obj.adjoint:
+        raise ValueError(
+            f"its adjoint {obj.adjoint!r} is not the name of a primitive. Fix: name the "
+            f"primitive that computes its transpose (itself for all_reduce)"
+        )
+    try:
+        hash(obj)
+    except TypeError as e:
+        raise TypeError(
+            f"it is not hashable ({e}); plans are cached on their primitives. Fix: make it "
+            f"a frozen attrs class with hashable fields (tuples, not lists)"
+        ) from None
+
+
+def check_adjoints(registry: Registry) -> None:
+    """The adapter registry's ``validate_all``: every primitive's adjoint is registered."""
+    for name, prim in registry.items():
+        if prim.adjoint not in registry:
+            raise RegistrationError(
+                f"{registry.registrant(name)!r} registered adapter {name!r}, whose adjoint "
+                f"{prim.adjoint!r} no plugin registered (registered: "
+                f"{', '.join(sorted(registry))}). Fix: register {prim.adjoint!r} too, or "
+                f"name a registered primitive as the adjoint"
+            )
 
 
 @hookimpl

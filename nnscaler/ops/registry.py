@@ -23,7 +23,9 @@ from typing import Any
 import attrs
 
 from nnscaler.anno import AnnotationError, OpAnno, TransformRule, parse
-from nnscaler.registry import Registry
+from nnscaler.errors import DuplicateRegistrationError, RegistrationError
+from nnscaler.hookspecs import hookimpl
+from nnscaler.registry import USER_REGISTRANT, Registry, active_registry
 
 #: Set by the tracer while it records a model: ``interceptor(opdef, args, kwargs)``
 #: replaces the call of every function wrapped by :func:`register_op`.
@@ -83,7 +85,7 @@ class OpDef:
     ``part`` of a partition; it runs after the transform's own keyword updates.
     ``collective=True`` marks an op whose calls are the parts of one split that talk to
     each other (a :class:`~nnscaler.anno.TransformRule` names it as its ``part_op``): it
-    takes the keyword ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup` of the
+    takes the keyword ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup` of the
     parts, which generated code, the plan simulator and ``verify_op`` supply.
     """
 
@@ -268,20 +270,18 @@ class OpRegistry(Registry[OpDef]):
         collective: bool = False,
         registrant: str | None = None,
     ) -> OpDef:
-        """Register ``fn`` (and the other callables in ``aliases``) as one op."""
-        if not callable(fn):
-            raise TypeError(f"register_op needs a callable, got {fn!r}")
-        if code_impl_pattern not in CODE_IMPL_PATTERNS:
-            raise ValueError(
-                f"code_impl_pattern must be one of {CODE_IMPL_PATTERNS}, got {code_impl_pattern!r}"
-            )
-        if isinstance(annotation, str):
-            parse(annotation)  # a malformed annotation fails here, at registration
-        elif not callable(annotation):
-            raise TypeError(
-                f"an annotation is a string or a callable returning one, got {annotation!r}"
-            )
-        name = name or op_name_of(fn)
+        """Register ``fn`` (and the other callables in ``aliases``) as one op.
+
+        Everything given is checked here, so that a wrong registration fails when it is
+        made (naming the op and the registering plugin), not at trace or codegen time:
+        see :func:`check_op_options`.
+        """
+        who = registrant or self._current_registrant
+        name = check_op_options(
+            fn, annotation, name=name, code_impl_pattern=code_impl_pattern, emit_fn=emit_fn,
+            transform_rules=transform_rules, input_gen_fn=input_gen_fn, signature=signature,
+            update_kwargs=update_kwargs, aliases=aliases, registrant=who,
+        )
         if signature is None:
             sig = _signature_of(fn)
             if sig is None and callable(annotation):
@@ -303,13 +303,12 @@ class OpRegistry(Registry[OpDef]):
             input_gen_fn=input_gen_fn,
             update_kwargs=update_kwargs,
             collective=bool(collective),
-            registrant=registrant or self._current_registrant,
+            registrant=who,
         )
+        _check_arity(opdef)
         for f in (fn, *aliases):
             other = self._by_fn.get(_fn_key(f))
             if other is not None:
-                from nnscaler.errors import DuplicateRegistrationError
-
                 raise DuplicateRegistrationError(
                     f"{f!r} is registered twice as an op: as {other.name!r} by "
                     f"{other.registrant!r}, then as {name!r} by {opdef.registrant!r}"
@@ -342,6 +341,99 @@ def _fn_key(fn: Any) -> Any:
     return fn
 
 
+def check_op_options(
+    fn: Any,
+    annotation: Any,
+    *,
+    name: Any = None,
+    code_impl_pattern: Any = "import",
+    emit_fn: Any = None,
+    transform_rules: Any = None,
+    input_gen_fn: Any = None,
+    signature: Any = None,
+    update_kwargs: Any = None,
+    aliases: Any = (),
+    collective: Any = False,
+    registrant: str = USER_REGISTRANT,
+) -> str:
+    """Check the arguments of an op registration; returns the op's name.
+
+    Raises :class:`~nnscaler.errors.RegistrationError` (or
+    :class:`~nnscaler.anno.AnnotationError` for a malformed annotation, with the caret)
+    naming the op and ``registrant``.
+    """
+    if name is not None and (not isinstance(name, str) or not name):
+        raise RegistrationError(
+            f"{registrant!r} registered an op under the name {name!r}: op names are "
+            f"non-empty strings. Fix: name='mypkg.my_op', or leave name out"
+        )
+    shown = name or (op_name_of(fn) if callable(fn) else repr(fn))
+
+    def refuse(rule: str, fix: str) -> RegistrationError:
+        return RegistrationError(f"op {shown!r} (registered by {registrant!r}): {rule}. Fix: {fix}")
+
+    if not callable(fn):
+        raise refuse(f"the op must be a callable, got {type(fn).__name__} {fn!r}",
+                     "register the function (or autograd.Function.apply) itself")
+    if isinstance(annotation, str):
+        try:
+            parse(annotation)
+        except AnnotationError as e:
+            raise AnnotationError(f"op {shown!r} (registered by {registrant!r}): {e.reason}",
+                                  annotation=e.annotation, position=e.position) from None
+    elif not callable(annotation):
+        raise refuse(f"the annotation must be a string or a callable returning one, got "
+                     f"{type(annotation).__name__} {annotation!r}",
+                     "pass a dim annotation such as 'a k+, n k+ -> a n'")
+    if code_impl_pattern not in CODE_IMPL_PATTERNS:
+        raise refuse(f"code_impl_pattern must be one of {CODE_IMPL_PATTERNS}, got "
+                     f"{code_impl_pattern!r}", "'import' (generated code imports the function) "
+                     "or 'source' (it carries the function's source)")
+    for option, value in (("emit_fn", emit_fn), ("input_gen_fn", input_gen_fn),
+                          ("update_kwargs", update_kwargs)):
+        if value is not None and not callable(value):
+            raise refuse(f"{option} must be a callable or None, got {type(value).__name__} "
+                         f"{value!r}", f"pass a function as {option}, or leave it out")
+    if transform_rules is not None and not callable(transform_rules):
+        if isinstance(transform_rules, (str, bytes)) or not hasattr(transform_rules, "__iter__"):
+            raise refuse(f"transform_rules must be a sequence of TransformRule or a callable "
+                         f"returning one, got {transform_rules!r}",
+                         "transform_rules=[TransformRule(...)]")
+        for rule in transform_rules:
+            if not isinstance(rule, TransformRule):
+                raise refuse(f"transform_rules holds {rule!r}, which is not a "
+                             f"nnscaler.anno.TransformRule", "build each rule with TransformRule")
+    if signature is not None and not isinstance(signature, inspect.Signature) \
+            and not callable(signature):
+        raise refuse(f"signature must be an inspect.Signature or a callable, got {signature!r}",
+                     "pass inspect.signature(f), a function with the op's parameters, or None")
+    for alias in aliases:
+        if not callable(alias):
+            raise refuse(f"aliases holds {alias!r}, which is not callable",
+                         "list the other callables the tracer may see for this op")
+    return name or op_name_of(fn)
+
+
+def _check_arity(opdef: OpDef) -> None:
+    """A string annotation's inputs must fit the parameters the signature shows."""
+    if not isinstance(opdef.annotation, str) or opdef.signature is None:
+        return
+    P = inspect.Parameter
+    params = list(opdef.signature.parameters.values())
+    if any(p.kind == P.VAR_POSITIONAL for p in params):
+        return
+    takes = [p for p in params if p.kind != P.VAR_KEYWORD]
+    n = len(parse(opdef.annotation).inputs)
+    if n > len(takes):
+        raise RegistrationError(
+            f"op {opdef.name!r} (registered by {opdef.registrant!r}): its annotation "
+            f"{opdef.annotation!r} has {n} inputs but {opdef.signature} has only "
+            f"{len(takes)} parameters; the annotation names the parameters in order, one "
+            f"entry each ('?' for a non-tensor). Fix: drop the extra entries, or register "
+            f"the function whose parameters they describe"
+        )
+
+
 def op_name_of(fn: Callable) -> str:
     self_ = getattr(fn, "__self__", None)
     if inspect.isclass(self_):  # autograd.Function.apply
@@ -354,6 +446,52 @@ def op_name_of(fn: Callable) -> str:
 # ---------------------------------------------------------------------------------------
 # register_op: the user-facing decorator
 # ---------------------------------------------------------------------------------------
+
+
+class UserOps:
+    """Ops registered from user code with :func:`register_op`: a plugin (``"user code"``)
+    that every plugin manager loads last, so each new manager gets them too.
+
+    :meth:`add` checks a registration at once (:func:`check_op_options`, and against the
+    loaded op registry when there is one); a registration that is refused is not kept, so
+    it cannot break later ``parallelize`` calls in the process.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Callable, Any, dict[str, Any]]] = []
+
+    def add(self, fn: Callable, annotation: Any, **options: Any) -> str:
+        options = {k: v for k, v in options.items() if v is not None}
+        name = check_op_options(fn, annotation, registrant=USER_REGISTRANT, **options)
+        options["name"] = name
+        if any(entry[2]["name"] == name for entry in self.entries):
+            raise DuplicateRegistrationError(
+                f"op {name!r} is registered twice from user code. Fix: register it once, or "
+                f"give the second one another name=")
+        live = active_registry("ops", load=False)
+        if live is not None:  # plugins loaded: register now, a clash surfaces now
+            live.register(fn, annotation, registrant=USER_REGISTRANT, **options)
+        else:  # not loaded: the checks that need no other plugin, on a scratch registry
+            scratch = OpRegistry()
+            scratch.register(fn, annotation, registrant=USER_REGISTRANT, **options)
+        self.entries.append((fn, annotation, options))
+        return name
+
+    @hookimpl
+    def nnscaler_register_ops(self, registry: OpRegistry) -> None:
+        for entry in list(self.entries):
+            fn, annotation, options = entry
+            try:
+                registry.register(fn, annotation, **options)
+            except Exception:
+                # e.g. a name a plugin loaded later also registers: drop it, so that the
+                # next manager (the next parallelize) loads without it
+                self.entries.remove(entry)
+                raise
+
+
+#: the ops registered from user code (see :class:`UserOps`)
+user_ops = UserOps()
 
 
 def register_op(
@@ -386,7 +524,7 @@ def register_op(
       annotation on such calls (the test suite does so for every built-in op).
     - ``collective``: the function is the *part op* of another op's
       :class:`~nnscaler.anno.TransformRule` (``part_op=``) whose parts talk to each other:
-      it takes the keyword ``group``, a :class:`~nnscaler.ops.partgroup.PartGroup`.
+      it takes the keyword ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup`.
 
     Returns the function to call in models: for a plain function, a wrapper with the same
     name and docstring; for ``SomeFunction.apply``, ``SomeFunction.apply`` itself is
@@ -396,8 +534,6 @@ def register_op(
         parse(annotation)  # fail at the decorator, with the caret
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        from nnscaler.plugins import user_ops
-
         opdef_name = user_ops.add(
             fn,
             annotation,
@@ -422,9 +558,7 @@ def make_recording_wrapper(fn: Callable[..., Any], opdef_name: str) -> Callable[
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         interceptor = op_call_interceptor.get()
         if interceptor is not None:
-            from nnscaler.plugins import get_plugin_manager
-
-            opdef = get_plugin_manager().ops.get(opdef_name)
+            opdef = active_registry("ops").get(opdef_name)
             return interceptor(opdef, args, kwargs)
         return fn(*args, **kwargs)
 

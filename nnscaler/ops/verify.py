@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from nnscaler.anno import Transform, check_promise
-from nnscaler.ops.registry import OpDef
+from nnscaler.ops.registry import OpDef, OpRegistry
+from nnscaler.registry import active_registry
 
 
 def _clone(x: Any) -> Any:
@@ -27,11 +28,13 @@ def verify_op(
     *,
     rtol: float = 1e-5,
     atol: float = 1e-6,
+    registry: OpRegistry | None = None,
 ) -> list[Transform]:
     """Check ``opdef`` on the call ``fn(*args, **kwargs)``; returns the checked transforms.
 
-    Raises :class:`nnscaler.anno.PromiseBrokenError` naming the transform and output that
-    disagree.
+    ``registry`` resolves the part ops that transform rules name (default: the process-wide
+    op registry). Raises :class:`nnscaler.anno.PromiseBrokenError` naming the transform and
+    output that disagree.
     """
     call = opdef.bind(tuple(args), dict(kwargs or {}))
 
@@ -44,9 +47,7 @@ def verify_op(
         )
 
     def part_op(name: str) -> tuple[Callable[..., Any], bool]:
-        from nnscaler.plugins import get_plugin_manager
-
-        part = get_plugin_manager().ops.get(name)
+        part = (registry if registry is not None else active_registry("ops")).get(name)
 
         def run_part(*inputs: Any, **kw: Any) -> Any:
             return part.call([_clone(x) for x in inputs],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -181,6 +181,28 @@ def build_optimizer(
     modules (ZeRO, async, bucket size); its ``plan_ngpus`` and ``runtime_ngpus`` must be the
     parallel modules'. None uses the defaults. See ``docs/parallelize.md``.
     """
+    pms = _trainable_parallel_modules(module, optimizer_fn)
+    np_cfg = _config_for(pms, compute_config)
+    reducer, copies = _reducers(module, pms, np_cfg)
+    params = [p for pm in pms for p in pm.parameters_for_optimizer()]
+    if reducer is not None:
+        params += reducer.parameters_for_optimizer()
+    optimizer = optimizer_fn(params, **kwargs)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    _patch(optimizer, _OptimizerState(pms, reducer, copies))
+    if pms:
+        # state_dict() records which tensor each entry is, so checkpoints merge whatever
+        # the parameter groups, and load_state_dict() checks it (nnscaler.checkpoint)
+        from nnscaler.checkpoint import track_optimizer
+
+        track_optimizer(optimizer, module)
+    return optimizer
+
+
+def _trainable_parallel_modules(module: torch.nn.Module, optimizer_fn: Any) -> list[ParallelModule]:
+    """The ParallelModules of ``module``, after checking the arguments of build_optimizer."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"build_optimizer takes the model (a torch.nn.Module), got "
                         f"{type(module).__name__}")
@@ -200,23 +222,33 @@ def build_optimizer(
                 f"{type(pm).__qualname__} was generated with inference_only=True and cannot "
                 f"be trained; parallelize it with inference_only=False"
             )
-    plan_ngpus, runtime_ngpus = _layout(pms)
-    if compute_config is not None:
-        if not isinstance(compute_config, ComputeConfig):
-            raise TypeError(f"compute_config must be a ComputeConfig or None, got "
-                            f"{type(compute_config).__name__}")
-        if (compute_config.plan_ngpus, compute_config.runtime_ngpus) != (
-                plan_ngpus, runtime_ngpus):
-            raise OptimizerError(
-                f"compute_config has plan_ngpus={compute_config.plan_ngpus}, runtime_ngpus="
-                f"{compute_config.runtime_ngpus}, but the parallel modules were generated for "
-                f"plan_ngpus={plan_ngpus}, runtime_ngpus={runtime_ngpus}; pass the "
-                f"config they were parallelized with, or None"
-            )
-        np_cfg = compute_config
-    else:
-        np_cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus)
+    return pms
 
+
+def _config_for(pms: Sequence[ParallelModule], compute_config: ComputeConfig | None
+                ) -> ComputeConfig:
+    """The config of the reducer outside the parallel modules: the one given (checked
+    against the modules' layout), else the defaults for that layout."""
+    plan_ngpus, runtime_ngpus = _layout(pms)
+    if compute_config is None:
+        return ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus)
+    if not isinstance(compute_config, ComputeConfig):
+        raise TypeError(f"compute_config must be a ComputeConfig or None, got "
+                        f"{type(compute_config).__name__}")
+    if (compute_config.plan_ngpus, compute_config.runtime_ngpus) != (plan_ngpus, runtime_ngpus):
+        raise OptimizerError(
+            f"compute_config has plan_ngpus={compute_config.plan_ngpus}, runtime_ngpus="
+            f"{compute_config.runtime_ngpus}, but the parallel modules were generated for "
+            f"plan_ngpus={plan_ngpus}, runtime_ngpus={runtime_ngpus}; pass the "
+            f"config they were parallelized with, or None"
+        )
+    return compute_config
+
+
+def _reducers(module: torch.nn.Module, pms: Sequence[ParallelModule], np_cfg: ComputeConfig
+              ) -> tuple[Any, dict[int, int]]:
+    """The reducer of the trainable parameters outside the parallel modules (None when
+    there are none) and, by ``id``, how many devices hold a copy of each parameter."""
     in_pm = {id(p) for pm in pms for p in pm.parameters()}
     rest = [p for p in _unique(module.parameters()) if id(p) not in in_pm and p.requires_grad]
     reducer = None
@@ -235,17 +267,14 @@ def build_optimizer(
     for pm in pms:
         for r in pm.reducers:
             copies.update((id(p), n) for p, n in _reducer_copies(r))
+    return reducer, copies
 
-    params = [p for pm in pms for p in pm.parameters_for_optimizer()]
-    if reducer is not None:
-        params += reducer.parameters_for_optimizer()
-    optimizer = optimizer_fn(params, **kwargs)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    state = _OptimizerState(pms, reducer, copies)
+
+def _patch(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
+    """Give ``optimizer`` the nnscaler methods and hooks: gradients synced before a step,
+    parameters gathered after it, the modules' gradients zeroed with its own."""
     optimizer._nnscaler_state = state  # type: ignore[attr-defined]
-    optimizer._non_parallel_module_reducer = reducer  # type: ignore[attr-defined]
+    optimizer._non_parallel_module_reducer = state.reducer  # type: ignore[attr-defined]
     for fn in (sync_shard_grad, scale_grads, clip_gnorm, register_reducer_pre_hook,
                register_reducer_post_hook):
         setattr(optimizer, fn.__name__, types.MethodType(fn, optimizer))
@@ -274,13 +303,6 @@ def build_optimizer(
         state.synced = False
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-    if state.parallel_modules:
-        # state_dict() records which tensor each entry is, so checkpoints merge whatever
-        # the parameter groups, and load_state_dict() checks it (nnscaler.checkpoint)
-        from nnscaler.checkpoint import track_optimizer
-
-        track_optimizer(optimizer, module)
-    return optimizer
 
 
 def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

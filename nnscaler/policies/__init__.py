@@ -16,7 +16,7 @@ from __future__ import annotations
 from nnscaler.hookspecs import hookimpl
 from nnscaler.policies.batch_split import data
 from nnscaler.policies.common import PolicyError
-from nnscaler.policies.costs import Adapter, adapters, layout_of, total_cost
+from nnscaler.policies.costs import AdapterCost, adapters, layout_of, total_cost
 from nnscaler.policies.pipeline import hybrid, pp
 from nnscaler.policies.single_device import dp
 from nnscaler.policies.tensor_parallel import tp
@@ -24,7 +24,7 @@ from nnscaler.registry import Registry
 
 __all__ = [
     "BUILTIN_POLICIES",
-    "Adapter",
+    "AdapterCost",
     "PolicyError",
     "adapters",
     "data",

@@ -26,15 +26,14 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from nnscaler.anno import Layout as AnnoLayout
-from nnscaler.anno import Reduce, Split, Transform, ValuePartial
+from nnscaler.anno import Placement, Reduce, Split, Transform, ValuePartial
 from nnscaler.graph import IRGraph
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Layout, Plan, plan
 from nnscaler.layout.layout import ravel
 
 __all__ = [
-    "Adapter",
+    "AdapterCost",
     "adapter_cost",
     "adapters",
     "default_bytes_per_mac",
@@ -104,7 +103,7 @@ def layout_of(pieces: Iterable[tuple[int, SubTensor]]) -> Layout | None:
     return Layout(shape=shape, r=r, v=v, d=tuple(d), devices=tuple(order))
 
 
-def part_piece(x: SubTensor, layout: AnnoLayout | None, num: int, part: int) -> SubTensor:
+def part_piece(x: SubTensor, layout: Placement | None, num: int, part: int) -> SubTensor:
     """The piece of ``x`` that part ``part`` of a ``num``-way split reads or writes, as
     :meth:`IRGraph.partition <nnscaler.graph.IRGraph.partition>` cuts it."""
     if isinstance(layout, Split):
@@ -211,7 +210,7 @@ def redundant_bytes(full: FullTensor, layout: Layout) -> float:
 
 
 @attrs.frozen(eq=False)
-class Adapter:
+class AdapterCost:
     """Where the instances of ``op`` (``None``: the graph's output) read ``tensor`` in
     layout ``dst`` but it is held in ``src``. ``plan`` is ``None`` when the pieces form no
     RVD layout (then ``cost`` is the whole tensor's bytes, an estimate). ``cost`` is in
@@ -242,7 +241,7 @@ def _groups(graph: IRGraph) -> list[tuple[Op, list[Op]]]:
     return list(by_origin.items())
 
 
-def adapters(graph: IRGraph, ndevices: int) -> list[Adapter]:
+def adapters(graph: IRGraph, ndevices: int) -> list[AdapterCost]:
     """Every adapter a planned graph needs on a scale unit of ``ndevices`` devices, in
     program order (see the module docstring). Every op instance must be assigned."""
     held: dict[FullTensor, Layout | None] = {}
@@ -253,7 +252,7 @@ def adapters(graph: IRGraph, ndevices: int) -> list[Adapter]:
                              f"cost a complete plan (graph.check(ndevices) passes)")
         for piece in op.output_tensors():
             written.setdefault(piece.full, []).append((op.device, piece))
-    found: list[Adapter] = []
+    found: list[AdapterCost] = []
     seen: set[tuple[int, int, Layout | None]] = set()
 
     def source(full: FullTensor, need: Layout | None) -> Layout | None:
@@ -274,7 +273,7 @@ def adapters(graph: IRGraph, ndevices: int) -> list[Adapter]:
         src = source(full, need)
         cost, p = adapter_cost(full, src, need, grad=grad)
         if p is None or p.steps:
-            found.append(Adapter(op, full, src, need, p, cost))
+            found.append(AdapterCost(op, full, src, need, p, cost))
 
     for origin, instances in _groups(graph):
         reads = [inst.input_tensors() for inst in instances]
@@ -289,7 +288,7 @@ def adapters(graph: IRGraph, ndevices: int) -> list[Adapter]:
     return found
 
 
-def total_cost(found: Sequence[Adapter]) -> float:
+def total_cost(found: Sequence[AdapterCost]) -> float:
     """The bytes all ``found`` adapters move (busiest device, summed)."""
     return float(sum(a.cost for a in found))
 

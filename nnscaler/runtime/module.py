@@ -92,7 +92,7 @@ class AttrMeta:
         return self.value[1]
 
 
-def _first_output(out: Any) -> torch.Tensor:
+def first_output(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
@@ -343,18 +343,18 @@ class ParallelModule(torch.nn.Module):
                 stack.enter_context(r.no_sync())
             yield
 
-    # -- checkpoints (nnscaler.checkpoint owns this section) ----------------------------
+    # -- state dicts (the format: nnscaler.runtime.state) ---------------------------------
     def get_extra_state(self) -> dict[str, Any]:
         """What ``state_dict()`` stores under ``_extra_state``: the metadata that merging,
         resharding and checking need (original names, full shapes, the slices held, ...),
         non-persistent buffers and the tensors no rank holds. See ``docs/checkpoint.md``."""
-        from nnscaler.checkpoint.meta import module_extra_state
+        from nnscaler.runtime.state import module_extra_state
 
         return module_extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
         """Restore what :meth:`get_extra_state` saved (``load_state_dict`` calls it)."""
-        from nnscaler.checkpoint.meta import load_module_extra_state
+        from nnscaler.runtime.state import load_module_extra_state
 
         load_module_extra_state(self, state)
 
@@ -363,14 +363,14 @@ class ParallelModule(torch.nn.Module):
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
         # a state dict of another model, plan or rank fails naming the first mismatching
         # key and both shapes; with ZeRO, the optimizer's shards follow the loaded values
-        from nnscaler.checkpoint.meta import check_module_state_dict, refresh_zero_shards
+        from nnscaler.runtime.state import check_module_state_dict, refresh_zero_shards
 
         check_module_state_dict(self, state_dict, prefix, local_metadata)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         refresh_zero_shards(self)
 
-    # -- end of the checkpoint section ---------------------------------------------------
+    # -- end of the state-dict section --------------------------------------------------
 
     # -- running ------------------------------------------------------------------------
     def _forward_impl(self, *args: Any, **kwargs: Any) -> Any:
@@ -430,7 +430,7 @@ class ParallelModule(torch.nn.Module):
             last = i == len(samples) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 out = self._forward_impl(sample)
-                loss = _first_output(out)
+                loss = first_output(out)
                 if is_dummy_batch is not None and is_dummy_batch[i]:
                     loss = loss * 0.0
                 if scale_fn is not None:

@@ -1,7 +1,7 @@
 """The parts of a split that talk to each other, across processes: :class:`ProcessPartGroup`.
 
 Generated code passes one to every call of a collective part op (see
-:mod:`nnscaler.ops.partgroup`): ``group=self.part_group((0, 1))`` names the plan devices
+:mod:`nnscaler.anno.partgroup`): ``group=self.part_group((0, 1))`` names the plan devices
 of the parts in part order, and :meth:`ParallelModule.part_group
 <nnscaler.runtime.ParallelModule.part_group>` maps them to the ranks of this scale unit.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nnscaler.ops.partgroup import PartGroup, _check_op
+from nnscaler.anno.partgroup import PartGroup, check_reduce_op
 from nnscaler.runtime.collectives import all_gather, all_reduce, this_rank
 from nnscaler.runtime.groups import get_group
 
@@ -33,7 +33,7 @@ class ProcessPartGroup(PartGroup):
         self.index = self.ranks.index(rank)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        _check_op(op)
+        check_reduce_op(op)
         if self.size == 1:
             return x if op == "sum" else x.detach()
         if op == "sum":  # the exact adjoint: each part's x gets the sum of the gradients

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler.runtime.module import ParallelModule, ParallelModuleError, _first_output
+from nnscaler.runtime.module import ParallelModule, ParallelModuleError, first_output
 from nnscaler.schedule.actions import (
     Action,
     Backward,
@@ -361,7 +361,7 @@ class _Run:
             return
         self.results[m] = pytree.tree_map(_detach, out)
         if self.train:
-            loss = _first_output(out)
+            loss = first_output(out)
             if self.dummy is not None and self.dummy[m]:
                 loss = loss * 0.0
             if self.scale_fn is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from nnscaler.registry import active_registry
 from nnscaler.schedule.actions import (
     Action,
     Backward,
@@ -43,9 +44,7 @@ def get_schedule(name: str, *, plugin_manager: NNScalerPluginManager | None = No
     Raises :class:`nnscaler.UnknownNameError` listing the registered schedules.
     """
     if plugin_manager is None:
-        from nnscaler.plugins import get_plugin_manager
-
-        plugin_manager = get_plugin_manager()
+        return active_registry("schedules").get(name)
     return plugin_manager.schedules.get(name)
 
 

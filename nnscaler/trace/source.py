@@ -11,10 +11,9 @@ from typing import Any
 
 import torch
 
-import nnscaler
-
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_NNSCALER_DIR = os.path.dirname(nnscaler.__file__) + os.sep
+# the package folder, from this file (importing the facade here would run it from below)
+_NNSCALER_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _MODELS_DIR = os.path.join(_NNSCALER_DIR, "models") + os.sep
 _machinery: dict[str, bool] = {}
 

@@ -97,7 +97,7 @@ def test_rules_override_the_default() -> None:
     assert space[0].part_kwargs({"n": 6}, 1) == {"n": 6, "offset": 3}
     assert bound.split(0, 0, 3, rules=[rule]) == space[1]
 
-    with pytest.raises(AnnotationError, match="2 input and 1 output layouts"):
+    with pytest.raises(AnnotationError, match="2 input and 1 output placements"):
         bound.transform_space(rules=[TransformRule([S(0), R], [S(0)])])
 
 

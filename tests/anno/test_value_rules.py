@@ -115,9 +115,9 @@ def test_every_value_rule_is_listed() -> None:
 
 def test_value_rule_with_the_wrong_number_of_layouts() -> None:
     bound = parse("a, a -> a").bind([(4,), (4,)])
-    with pytest.raises(AnnotationError, match="1 input and 1 output layouts"):
+    with pytest.raises(AnnotationError, match="1 input and 1 output placements"):
         bound.transform_space(rules=[TransformRule([V], [V])])
-    with pytest.raises(AnnotationError, match="1 input and 1 output layouts"):
+    with pytest.raises(AnnotationError, match="1 input and 1 output placements"):
         bound.split(0, None, 2, rules=[TransformRule([V], [V])])
 
 

@@ -1,8 +1,8 @@
 """Built-in annotations for the torch functions that models call.
 
 This package is a plugin like any other: its ``nnscaler_register_ops`` hook registers
-every family module listed in :data:`FAMILIES`. Each family module defines
-``register(registry)``.
+every family listed in :data:`FAMILIES`. Each family (a module, or a package of
+sub-family modules such as ``shape`` and ``indexing``) defines ``register(registry)``.
 """
 
 from __future__ import annotations
@@ -30,11 +30,6 @@ FAMILIES: tuple[str, ...] = (
 
 @hookimpl
 def nnscaler_register_ops(registry: OpRegistry) -> None:
+    """Register the ops of every family in :data:`FAMILIES`, in that order."""
     for family in FAMILIES:
-        try:
-            module = importlib.import_module(f"{__name__}.{family}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{family}":
-                continue  # family not written yet
-            raise
-        module.register(registry)
+        importlib.import_module(f"{__name__}.{family}").register(registry)

@@ -39,6 +39,21 @@ def tensor_str(dims: Sequence[str]) -> str:
     return " ".join(dims) if dims else "1"  # 0-d tensors: see scalar_str
 
 
+def join_anno(inputs: Sequence[Sequence[str] | str], outputs: Sequence[Sequence[str] | str]) -> str:
+    """Join per-tensor dim lists (or ready entries such as ``'?'``) into an annotation:
+    ``join_anno([["a", "b"], "?"], [["b"]])`` is ``'a b, ? -> b'``."""
+
+    def one(t: Sequence[str] | str) -> str:
+        return t if isinstance(t, str) else tensor_str(t)
+
+    return f"{', '.join(map(one, inputs))} -> {', '.join(map(one, outputs))}"
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    """The shape of a tensor as a tuple of Python ints."""
+    return tuple(int(s) for s in x.shape)
+
+
 def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 

@@ -16,15 +16,10 @@ from typing import Any
 import torch
 
 from nnscaler.anno import BoundAnno, Split, TransformRule, ValuePartial
-from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint, randn
+from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint, randn, tensor_str
 from nnscaler.ops.registry import OpRegistry
 
 # -- annotation helpers -----------------------------------------------------------------
-
-
-def _tensor(dims: Sequence[str]) -> str:
-    """One tensor entry; a 0-d tensor is ``1``."""
-    return " ".join(dims) if dims else "1"
 
 
 def _bcast(shapes: Sequence[Sequence[int]], prefix: str) -> tuple[list[list[str]], list[str]]:
@@ -53,7 +48,7 @@ def _fit(t: Any, out_dims: Sequence[str], out_shape: Sequence[int]) -> str:
     for i, n in enumerate(t.shape):
         j = off + i
         dims.append("1" if n == 1 and out_shape[j] != 1 else out_dims[j])
-    return _tensor(dims)
+    return tensor_str(dims)
 
 
 def _frozen(entry: str) -> str:
@@ -76,7 +71,7 @@ def linear_anno(input, weight, bias=None) -> str:
         out = [*lead, "n"]
         w = ["n", k]
     out_shape = [*input.shape[:-1], *weight.shape[:-1]]
-    return f"{_tensor([*lead, k])}, {_tensor(w)}, {_fit(bias, out, out_shape)} -> {_tensor(out)}"
+    return f"{tensor_str([*lead, k])}, {tensor_str(w)}, {_fit(bias, out, out_shape)} -> {tensor_str(out)}"
 
 
 def linear_rules(bound: BoundAnno) -> list[TransformRule]:
@@ -122,7 +117,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, str]:
     ta = ["k+"] if a.dim() == 1 else [*da, "m", "k+"]
     tb = ["k+"] if b.dim() == 1 else [*db, "k+", "n"]
     to = [*out, *(["m"] if a.dim() > 1 else []), *(["n"] if b.dim() > 1 else [])]
-    return _tensor(ta), _tensor(tb), _tensor(to)
+    return tensor_str(ta), tensor_str(tb), tensor_str(to)
 
 
 def matmul_anno(input, other) -> str:
@@ -197,10 +192,10 @@ def outer_anno(input, vec2) -> str:
 def inner_anno(input, other) -> str:
     if input.dim() == 0 or other.dim() == 0:  # a scalar times a tensor
         (da, db), out = _bcast([tuple(input.shape), tuple(other.shape)], "a")
-        return f"{_tensor(da)}, {_tensor(db)} -> {_tensor(out)}"
+        return f"{tensor_str(da)}, {tensor_str(db)} -> {tensor_str(out)}"
     da = [f"a{i}" for i in range(input.dim() - 1)]
     db = [f"b{i}" for i in range(other.dim() - 1)]
-    return f"{_tensor([*da, 'k+'])}, {_tensor([*db, 'k+'])} -> {_tensor([*da, *db])}"
+    return f"{tensor_str([*da, 'k+'])}, {tensor_str([*db, 'k+'])} -> {tensor_str([*da, *db])}"
 
 
 def vecdot_anno(x, y, *, dim=-1) -> str:
@@ -210,7 +205,7 @@ def vecdot_anno(x, y, *, dim=-1) -> str:
     dx = [n + "+" if n == name else n for n in dx]
     dy = [n + "+" if n == name else n for n in dy]
     rest = [n for i, n in enumerate(out) if i != d]
-    return f"{_tensor(dx)}, {_tensor(dy)} -> {_tensor(rest)}"
+    return f"{tensor_str(dx)}, {tensor_str(dy)} -> {tensor_str(rest)}"
 
 
 def bilinear_anno(input1, input2, weight, bias=None) -> str:
@@ -220,8 +215,8 @@ def bilinear_anno(input1, input2, weight, bias=None) -> str:
     out = [*lead, "o"]
     out_shape = [*input1.shape[:-1], weight.shape[0]]
     return (
-        f"{_tensor([*lead, 'i' + mark])}, {_tensor([*lead, 'j' + mark])}, o i{mark} j{mark}, "
-        f"{_fit(bias, out, out_shape)} -> {_tensor(out)}"
+        f"{tensor_str([*lead, 'i' + mark])}, {tensor_str([*lead, 'j' + mark])}, o i{mark} j{mark}, "
+        f"{_fit(bias, out, out_shape)} -> {tensor_str(out)}"
     )
 
 
@@ -240,7 +235,7 @@ def tensordot_anno(a, b, dims=2) -> str:
     for j, (i, k) in enumerate(zip(da, db, strict=True)):
         ta[i] = tb[k] = f"c{j}+"
     out = [n for i, n in enumerate(ta) if i not in da] + [n for i, n in enumerate(tb) if i not in db]
-    return f"{_tensor(ta)}, {_tensor(tb)} -> {_tensor(out)}"
+    return f"{tensor_str(ta)}, {tensor_str(tb)} -> {tensor_str(out)}"
 
 
 # -- einsum --------------------------------------------------------------------------------
@@ -299,7 +294,28 @@ def _einsum_terms(equation: str) -> tuple[list[list[str]], list[str] | None]:
     return [labels(t) for t in lhs.split(",")], None if rhs is None else labels(rhs)
 
 
+def _einsum_sizes(terms: list[list[str]], operands: list[Any]
+                  ) -> tuple[list[tuple[int, ...]], dict[str, int]]:
+    """The dims each operand's ellipsis stands for, and the size of each label (the
+    largest seen: a label of size 1 broadcasts)."""
+    ell_shapes: list[tuple[int, ...]] = []
+    label_size: dict[str, int] = {}
+    for term, op in zip(terms, operands, strict=True):
+        n_ell = op.dim() - (len(term) - term.count("..."))
+        ell_shapes.append(tuple(op.shape[term.index("...") : term.index("...") + n_ell]) if "..." in term else ())
+        k = 0
+        for lab in term:
+            if lab == "...":
+                k += n_ell
+                continue
+            label_size[lab] = max(label_size.get(lab, 1), int(op.shape[k]))
+            k += 1
+    return ell_shapes, label_size
+
+
 def einsum_anno(*args) -> str:
+    """The annotation of one ``torch.einsum`` call (equation or sublist form): labels
+    summed over are ``+``, repeated labels (diagonals) ``^``, broadcast size-1 dims ``1``."""
     if not args:
         raise TypeError("einsum() needs an equation and operands")
     if is_tensor(args[0]):  # sublist form: operands at even positions
@@ -321,19 +337,7 @@ def einsum_anno(*args) -> str:
     terms, rhs = _einsum_terms(equation)
     if len(terms) != len(operands):
         raise ValueError(f"einsum equation {equation!r} has {len(terms)} operands, got {len(operands)}")
-    # sizes of the labels, and the ellipsis dims of each operand (aligned on the right)
-    ell_shapes: list[tuple[int, ...]] = []
-    label_size: dict[str, int] = {}
-    for term, op in zip(terms, operands, strict=True):
-        n_ell = op.dim() - (len(term) - term.count("..."))
-        ell_shapes.append(tuple(op.shape[term.index("...") : term.index("...") + n_ell]) if "..." in term else ())
-        k = 0
-        for lab in term:
-            if lab == "...":
-                k += n_ell
-                continue
-            label_size[lab] = max(label_size.get(lab, 1), int(op.shape[k]))
-            k += 1
+    ell_shapes, label_size = _einsum_sizes(terms, operands)
     ell_dims, ell_out = _bcast(ell_shapes, "_e")
     counts: dict[str, int] = {}
     for term in terms:
@@ -366,7 +370,7 @@ def einsum_anno(*args) -> str:
             size = int(op.shape[k])
             dims.append("1" if size == 1 and label_size[lab] != 1 else name(lab) + mark(lab))
             k += 1
-        entries.append(_tensor(dims))
+        entries.append(tensor_str(dims))
     out = []
     out_shape: list[int] = []
     for lab in rhs:
@@ -377,10 +381,10 @@ def einsum_anno(*args) -> str:
             out.append(name(lab) + ("^" if lab in diagonal else ""))
             out_shape.append(label_size[lab])
     if whole:
-        return f"?, ? -> {_tensor([str(n) for n in out_shape])}"
+        return f"?, ? -> {tensor_str([str(n) for n in out_shape])}"
     for pos, entry in zip(positions, entries, strict=True):
         slots[pos] = entry
-    return f"{first}{', '.join(slots)} -> {_tensor(out)}"
+    return f"{first}{', '.join(slots)} -> {tensor_str(out)}"
 
 
 # -- grouped matmul (MoE experts) -----------------------------------------------------------

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 from nnscaler.anno import Replicate, Split, TransformRule
+from nnscaler.anno.partgroup import SINGLE
 from nnscaler.ops.builtin._common import idents, randint, tensor_str
 from nnscaler.ops.builtin.nn import bcast, f64, marked, shape_of, size
-from nnscaler.ops.partgroup import SINGLE
 from nnscaler.ops.registry import OpRegistry
 
 

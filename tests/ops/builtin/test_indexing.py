@@ -66,7 +66,7 @@ def test_getitem_with_one_index_tensor_splits_the_index(registry):
 def test_non_adjacent_advanced_indices_lead():
     x = torch.randn(2, 3, 4, 5)
     key = (slice(None), torch.tensor([0, 1, 2]), slice(None), torch.tensor([1, 1, 0]))
-    plan = indexing._Plan(x, key)
+    plan = indexing.KeyPlan(x, key)
     assert plan.out_dims == ["3", "a", "c"]
     assert tuple(x[key].shape) == (3, 2, 4)
 

@@ -1,0 +1,161 @@
+"""The parts of one split that talk to each other: :class:`PartGroup`.
+
+Most splits are local: each part computes its piece and the layout algebra moves pieces
+between ops. A few ops can only be split if the parts exchange a little data *inside*
+the op: a cross-entropy over classes split in parts needs the maximum and the sum of
+exponentials over all classes. Such an op's split names a *part op* registered with
+``collective=True`` (see :class:`~nnscaler.anno.TransformRule`); every call of it gets
+``group``, a :class:`PartGroup` of the parts of that split, in part order.
+
+Three implementations stand behind the one interface:
+
+- in generated code, a group over the ranks that run the parts (``torch.distributed``,
+  :class:`nnscaler.runtime.partgroup.ProcessPartGroup`);
+- in one process, for the plan simulator and the annotation checks, :func:`run_parts`
+  runs the parts in threads joined by a :class:`ThreadPartGroup`;
+- :data:`SINGLE`, a group of one part (the op unsplit).
+
+Gradients follow the exact-adjoint convention of the runtime
+(``docs/internals/parallel-runtime.md``): ``all_reduce(x, "sum")`` gives every part the
+sum, so each part's ``x`` receives the sum of the gradients of every part's result.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from nnscaler.errors import NNScalerError
+
+__all__ = [
+    "REDUCE_OPS",
+    "SINGLE",
+    "PartGroup",
+    "PartGroupError",
+    "ThreadPartGroup",
+    "check_reduce_op",
+    "run_parts",
+]
+
+REDUCE_OPS = ("sum", "max")
+
+
+class PartGroupError(NNScalerError, RuntimeError):
+    """A collective part op was misused (bad reduce op, parts that disagree, a failed part)."""
+
+
+class PartGroup:
+    """The ``size`` parts of one split; this call is part ``index``."""
+
+    size: int = 1
+    index: int = 0
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Every part's ``x`` combined: ``"sum"`` (differentiable: each ``x`` gets the sum
+        of the gradients of every part's result) or ``"max"`` (no gradient). Every part
+        calls it, with tensors of one shape, in the same order."""
+        check_reduce_op(op)
+        return x if op == "sum" else x.detach()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every part's ``x``, stacked in part order (a new dim 0 of size :attr:`size`);
+        differentiable: each ``x`` gets the sum over parts of the gradients of its slot.
+        Every part calls it, with tensors of one shape, in the same order."""
+        return x.unsqueeze(0)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(index={self.index}, size={self.size})"
+
+
+def check_reduce_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise PartGroupError(f"PartGroup.all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+#: The group of an op that is not split.
+SINGLE = PartGroup()
+
+
+class _Exchange:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+
+class ThreadPartGroup(PartGroup):
+    """The parts of a split run as threads of one process (:func:`run_parts`).
+
+    ``all_reduce`` adds the parts' tensors in part order, so every part gets the very same
+    result, and the sum stays in one autograd graph: a backward from the main thread
+    sends each part the sum of the gradients, as the distributed all-reduce's adjoint
+    does.
+    """
+
+    def __init__(self, exchange: _Exchange, index: int) -> None:
+        self._exchange = exchange
+        self.size = exchange.size
+        self.index = index
+
+    def _exchange_values(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
+        ex = self._exchange
+        ex.slots[self.index] = x
+        try:
+            ex.barrier.wait()
+            values = list(ex.slots)
+            ex.barrier.wait()  # everyone has read before the slots are reused
+        except threading.BrokenBarrierError:
+            raise PartGroupError("another part of the split failed") from None
+        if any(tuple(v.shape) != tuple(x.shape) for v in values):
+            raise PartGroupError(f"PartGroup.{what}: the parts passed tensors of shapes "
+                                 f"{[tuple(v.shape) for v in values]}; they must agree")
+        return values
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange_values(x, "all_gather"))
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        check_reduce_op(op)
+        values = self._exchange_values(x, "all_reduce")
+        if op == "max":
+            return torch.stack([v.detach() for v in values]).amax(0)
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        return total
+
+
+def run_parts(calls: Sequence[Callable[[PartGroup], Any]]) -> list[Any]:
+    """Run ``calls[p](group_p)`` for every part ``p`` at once, each in its own thread, the
+    groups joined (:class:`ThreadPartGroup`); return the results in part order. Grad mode
+    is the caller's. A part that raises breaks the others' collectives, and the first
+    failure is raised here."""
+    n = len(calls)
+    if n == 1:
+        return [calls[0](SINGLE)]
+    exchange = _Exchange(n)
+    results: list[Any] = [None] * n
+    errors: list[tuple[int, BaseException]] = []
+    grad = torch.is_grad_enabled()
+
+    def work(p: int) -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                results[p] = calls[p](ThreadPartGroup(exchange, p))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            errors.append((p, e))
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(p,), name=f"nnscaler-part-{p}")
+               for p in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = [e for _, e in errors if not isinstance(e, PartGroupError)] or [errors[0][1]]
+        raise first[0]
+    return results

@@ -1,0 +1,25 @@
+"""Indexing ops, by sub-family: :mod:`.subscript` (``x[key]``, ``x[key] = v``,
+index_put), :mod:`.gather` (gather, take_along_dim, take), :mod:`.scatter` (scatter and
+index_*), :mod:`.masked` (masked_select, masked_scatter) and :mod:`.counting` (histc,
+bincount, searchsorted, bucketize, nonzero, argwhere).
+
+Each sub-family module documents its rule and defines ``register``; the family's
+``register`` below registers them all, in this order.
+"""
+
+from __future__ import annotations
+
+from nnscaler.ops.builtin.indexing import counting, gather, masked, scatter, subscript
+from nnscaler.ops.builtin.indexing.subscript import KeyPlan, setitem
+from nnscaler.ops.registry import OpRegistry
+
+__all__ = ["SUBFAMILIES", "KeyPlan", "register", "setitem"]
+
+#: the sub-family modules, in registration order
+SUBFAMILIES = (subscript, gather, scatter, masked, counting)
+
+
+def register(registry: OpRegistry) -> None:
+    """Register every indexing op (each sub-family in :data:`SUBFAMILIES` order)."""
+    for module in SUBFAMILIES:
+        module.register(registry)
