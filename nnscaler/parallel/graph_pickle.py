@@ -41,7 +41,7 @@ from nnscaler.errors import NNScalerError
 __all__ = ["UnsafeGraphFileError", "load_graph", "save_graph"]
 
 
-class UnsafeGraphFileError(NNScalerError, pickle.UnpicklingError):
+class UnsafeGraphFileError(NNScalerError, pickle.UnpicklingError, ValueError):
     """``graph.pkl`` names something the restricted unpickler does not allow."""
 
 
