@@ -4,9 +4,12 @@ Run under torchrun: ``torchrun --nproc-per-node 2 bench/runtime/exit_job.py CASE
 with CASE one of ``dp`` (the project's GPT, data parallel), ``pp`` (the GPT cut into 2
 pipeline stages, 1F1B over 2 micro-batches) or ``bert`` (a tiny random Hugging Face
 ``BertModel``, tensor parallel). It parallelizes (reusing ``GEN_DIR`` after the first run),
-trains 3 Adam steps, checks the losses are finite and returns: no
-``destroy_process_group``, no ``os._exit``. ``--without-teardown`` unregisters nnscaler's
-exit hook (:mod:`nnscaler.runtime.teardown`), to count what happens without it.
+trains 3 Adam steps, checks the losses are finite and returns, never through
+``os._exit``. ``--end return`` returns right away (the process groups are left to
+nnscaler's exit hook); ``--end destroy`` first calls ``dist.destroy_process_group()``, as
+a careful script (and ``examples/main_job.py`` until now) does. ``--without-teardown``
+unregisters nnscaler's exit hook (:mod:`nnscaler.runtime.teardown`), to count what happens
+without it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("case", choices=["dp", "pp", "bert"])
     parser.add_argument("gen_dir")
+    parser.add_argument("--end", choices=["return", "destroy"], default="return")
     parser.add_argument("--without-teardown", action="store_true")
     args = parser.parse_args()
     if args.without_teardown:
@@ -90,6 +94,8 @@ def main() -> None:
         losses += [float(x) for x in out]
     if not all(math.isfinite(x) for x in losses):
         raise SystemExit(f"losses not finite: {losses}")
+    if args.end == "destroy":
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
