@@ -40,13 +40,14 @@ from nnscaler.parallel import (
 from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError
 from nnscaler.parallel.config import ComputeConfigError
 from nnscaler.parallel.files import GenFilesError
+from nnscaler.parallel.op_checks import CustomOpCheckError
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies.common import PolicyError
 from nnscaler.runtime.collectives import CollectiveError
 from nnscaler.runtime.module import ParallelModule, ParallelModuleError
 from nnscaler.runtime.pipeline import PipelineError
 from nnscaler.schedule.errors import ScheduleError
-from nnscaler.trace.errors import TraceError
+from nnscaler.trace.errors import DataDependentError, TraceError
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,8 @@ __all__ = [
     "CollectiveError",
     "ComputeConfig",
     "ComputeConfigError",
+    "CustomOpCheckError",
+    "DataDependentError",
     "DuplicateRegistrationError",
     "GenFilesError",
     "GraphError",

@@ -134,3 +134,26 @@ def nnscaler_register_adapters(registry: Registry) -> None:
         def nnscaler_register_adapters(registry):
             registry.register("all_reduce_2d", TwoLevelAllReduce())
     """
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def nnscaler_register_loggers(registry: Registry) -> None:
+    """Register metric loggers for the Trainer by name.
+
+    :param registry: a :class:`nnscaler.registry.Registry` of logger classes. A logger
+        is built as ``cls(**LogConfig.args)`` on rank 0 and has ``setup(config)``,
+        ``log_metrics(metrics, step, tag)`` and ``finalize()`` (see
+        :class:`nnscaler.cli.loggers.LoggerBase`).
+
+    ``TrainerArgs(log=[LogConfig(type="name", args={...})])`` looks the name up here;
+    the built-in plugin registers ``tensorboard``. Example (a W&B package)::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_loggers(registry):
+            registry.register("wandb", WandbLogger)
+    """

@@ -51,6 +51,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.layout.primitives",
     "nnscaler.graph.ops",
     "nnscaler.policies",
+    "nnscaler.cli.loggers",
 )
 
 #: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.
@@ -59,6 +60,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "nnscaler_register_policies": "policies",
     "nnscaler_register_schedules": "schedules",
     "nnscaler_register_adapters": "adapters",
+    "nnscaler_register_loggers": "loggers",
 }
 
 
@@ -69,6 +71,16 @@ class PluginInfo:
     distribution: str | None  # None for built-ins and user code
     version: str | None
     builtin: bool
+
+
+def _logger_class(name: str, obj: Any) -> None:
+    """A ``validate`` for the loggers registry: a class with ``log_metrics``."""
+    if not isinstance(obj, type) or not callable(getattr(obj, "log_metrics", None)):
+        raise TypeError(
+            f"it is {obj!r}, not a logger class; a logger is a class built as "
+            f"cls(**LogConfig.args) with log_metrics(metrics, step, tag=...). Fix: register "
+            f"the class (see nnscaler.cli.loggers.LoggerBase)"
+        )
 
 
 def _autoload_disabled() -> bool:
@@ -104,6 +116,12 @@ class NNScalerPluginManager:
         )
         self.adapters: Registry[Any] = Registry(
             "adapter", validate=validate_primitive, validate_all=check_adjoints
+        )
+        self.loggers: Registry[Any] = Registry(
+            "logger",
+            install_hint="Install a logger plugin, or give the logger's class (or its import "
+            "path) as LogConfig.type.",
+            validate=_logger_class,
         )
         self.infos: dict[str, PluginInfo] = {}
         self._order: list[str] = []

@@ -9,6 +9,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_op_check_cache(tmp_path_factory):
+    """Passed custom-op checks are remembered on disk: keep the suite's out of ~/.cache."""
+    os.environ.setdefault("NNSCALER_CACHE_DIR", str(tmp_path_factory.mktemp("nnscaler-cache")))
+    yield
+
+
 @pytest.fixture
 def fresh_plugins(monkeypatch):
     """A clean plugin state: user-registered ops and the loaded manager are restored after."""

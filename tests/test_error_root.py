@@ -60,6 +60,8 @@ EXPORTED_ERRORS = [
     "CodegenError",
     "CollectiveError",
     "ComputeConfigError",
+    "CustomOpCheckError",
+    "DataDependentError",
     "DuplicateRegistrationError",
     "GenFilesError",
     "GraphError",

@@ -74,6 +74,7 @@ def test_entry_point_plugin_is_discovered(throwaway, monkeypatch):
         "policies": ["throwaway_policy"],
         "schedules": [],
         "adapters": [],
+        "loggers": [],
     }
     opdef = pm.ops.get("throwaway.triple")
     assert opdef.registrant == "throwaway"

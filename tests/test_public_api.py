@@ -18,6 +18,8 @@ ALL = [
     "CollectiveError",
     "ComputeConfig",
     "ComputeConfigError",
+    "CustomOpCheckError",
+    "DataDependentError",
     "DuplicateRegistrationError",
     "GenFilesError",
     "GraphError",

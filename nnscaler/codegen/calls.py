@@ -12,6 +12,7 @@ with ``code_impl_pattern='source'`` (its source is copied into the generated fil
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
@@ -122,20 +123,69 @@ def _is_property_get(obj: Any, fn: Any) -> bool:
     return _same(getter, fn) or _same(getattr(fn, "__self__", None), obj)
 
 
-def _spell(fn: Any, name: str) -> tuple[str, str] | None:
-    """An expression that names ``fn`` and the module to import: ``name`` if it resolves
-    to ``fn``, else ``fn``'s own module and qualified name."""
-    found = resolve(name)
+#: Where generated code finds nnscaler's own op implementations (a public module).
+PUBLIC_OPS = "nnscaler.runtime.ops"
+_INTERNAL = ("nnscaler.ops.", "nnscaler.graph.", "nnscaler.codegen.")
+
+
+def _public(fn: Any) -> tuple[str, str] | None:
+    """``nnscaler.runtime.ops.<name>`` for an op implementation of nnscaler's own that
+    lives in an internal module (``nnscaler.ops.builtin.nn``); None for any other."""
+    module = getattr(fn, "__module__", None) or ""
+    if not module.startswith(_INTERNAL):
+        return None
+    name = getattr(fn, "__name__", "")
+    found = resolve(f"{PUBLIC_OPS}.{name}") if name else None
     if found is not None and _same(found[0], fn):
+        return f"{PUBLIC_OPS}.{name}", PUBLIC_OPS
+    return None
+
+
+def _spell(fn: Any, name: str) -> tuple[str, str] | None:
+    """An expression that names ``fn`` and the module to import: its public name in
+    :mod:`nnscaler.runtime.ops` for nnscaler's own implementations, else ``name`` if it
+    resolves to ``fn``, else ``fn``'s own module and qualified name."""
+    public = _public(fn)
+    if public is not None:
+        return public
+    found = resolve(name)
+    if found is not None and _reaches(found[0], fn):
         return name, found[1]
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if module and qualname and "<" not in qualname:
         path = f"{module}.{qualname}"
         found = resolve(path)
-        if found is not None and _same(found[0], fn):
+        if found is not None and _reaches(found[0], fn):
             return path, found[1]
     return None
+
+
+def _reaches(obj: Any, fn: Any) -> bool:
+    """``obj`` is ``fn``, or the function ``@register_op`` put in ``fn``'s place (the
+    decorator form): calling it outside a trace calls ``fn``."""
+    return _same(obj, fn) or (hasattr(obj, "__wrapped_op__")
+                              and _same(getattr(obj, "__wrapped__", None), fn))
+
+
+def _without_register_op(source: str) -> str:
+    """``source`` of a function less its ``@register_op(...)`` decorators (the generated
+    file calls the plain function; registering it again there would fail)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return source
+    lines = source.splitlines(keepends=True)
+    drop: set[int] = set()
+    for deco in node.decorator_list:
+        call = deco.func if isinstance(deco, ast.Call) else deco
+        name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if name == "register_op":
+            drop.update(range(deco.lineno - 1, (deco.end_lineno or deco.lineno)))
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def _source_def(fn: Any, where: str) -> tuple[str, str]:
@@ -150,26 +200,64 @@ def _source_def(fn: Any, where: str) -> tuple[str, str]:
     if not inspect.isfunction(fn) or not source.lstrip().startswith(("def ", "@")):
         raise CodegenError(f"{where}: code_impl_pattern='source' needs a plain function, got "
                            f"{fn!r}")
-    return fn.__name__, source
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        names = None
+    imports = []
+    if names is not None:
+        modules = {n: v for n, v in names.globals.items() if inspect.ismodule(v)}
+        foreign = sorted([n for n in names.globals if n not in modules] + list(names.nonlocals))
+        if foreign:
+            raise CodegenError(
+                f"{where}: the op was registered with code_impl_pattern='source', which copies "
+                f"the function {fn.__name__!r} alone into the generated file (with the modules "
+                f"it names), but it uses {', '.join(map(repr, foreign))} from around it. "
+                f"Make the function self-contained (import inside it), or register it with "
+                f"code_impl_pattern='import' at the top level of an importable module"
+            )
+        for alias, module in sorted(modules.items()):  # e.g. import torch.nn.functional as F
+            if module.__name__ != "torch" or alias != "torch":
+                imports.append(f"import {module.__name__}" if alias == module.__name__
+                               else f"import {module.__name__} as {alias}")
+    body = _without_register_op(source)
+    return fn.__name__, "\n".join(imports) + "\n\n\n" + body if imports else body
 
 
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _without_defaults(sig: inspect.Signature | None, fn: Any,
-                      kwargs: dict[str, Any]) -> dict[str, Any]:
+def _no_signature(fn: Any) -> bool:
+    try:
+        inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
+def _own_signature(fn: Any, registered: inspect.Signature | None) -> inspect.Signature | None:
+    """``fn``'s signature as ``inspect`` sees it, else the one the op was registered with
+    (C builtins such as ``scaled_dot_product_attention`` carry none)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return registered
+
+
+def _without_defaults(sig: inspect.Signature | None, fn: Any, kwargs: dict[str, Any],
+                      written: frozenset[str]) -> dict[str, Any]:
     """``kwargs`` less the arguments equal to their default, where both the op's
-    signature and the function's own agree on that default (plain values only)."""
+    signature and the function's own agree on that default (plain values only); an
+    argument the model's call passed by keyword (``written``) stays, as it was written."""
     if sig is None:
         return kwargs
-    try:
-        own = inspect.signature(fn)
-    except (TypeError, ValueError):
+    own = _own_signature(fn, sig)
+    if own is None:
         return kwargs
     out = {}
     for k, v in kwargs.items():
         p, q = sig.parameters.get(k), own.parameters.get(k)
-        if (p is not None and q is not None and isinstance(v, _PLAIN)
+        if (k not in written and p is not None and q is not None and isinstance(v, _PLAIN)
                 and type(p.default) is type(v) and type(q.default) is type(v)
                 and p.default == v and q.default == v):
             continue
@@ -177,16 +265,33 @@ def _without_defaults(sig: inspect.Signature | None, fn: Any,
     return out
 
 
-def _keywords(fn: Any, kwargs: dict[str, Any]) -> frozenset[str]:
-    """The arguments to pass by keyword: those the function's own signature takes by
-    that name (without one, as :meth:`OpDef.call` does: positionally where possible)."""
+def _keywords(fn: Any, kwargs: dict[str, Any], written: frozenset[str]) -> frozenset[str]:
+    """The arguments to pass by keyword: those the function's own signature takes by that
+    name; for a function ``inspect`` cannot see into (a C builtin), those the model's call
+    passed by keyword (``written``), the others positionally, as :meth:`OpDef.call` does."""
     try:
         own = inspect.signature(fn)
     except (TypeError, ValueError):
-        return frozenset()
+        return frozenset(k for k in kwargs if k in written)
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return frozenset(k for k in kwargs
                      if k in own.parameters and own.parameters[k].kind in named)
+
+
+def _drop_trailing_defaults(sig: inspect.Signature | None, args: list[Any]) -> list[Any]:
+    """``args`` less the trailing ``None`` arguments whose parameter defaults to ``None``
+    (an annotated input the call left out: ``linear(x, w)``, not ``linear(x, w, None)``)."""
+    if sig is None:
+        return args
+    P = inspect.Parameter
+    params = list(sig.parameters.values())
+    if any(p.kind is P.VAR_POSITIONAL for p in params) or len(args) > len(params):
+        return args
+    out = list(args)
+    while out and out[-1] is None and params[len(out) - 1].default is None \
+            and params[len(out) - 1].kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD):
+        out.pop()
+    return out
 
 
 def call_source(op: Op, inputs: Sequence[Any], kwargs: dict[str, Any], *,
@@ -199,8 +304,14 @@ def call_source(op: Op, inputs: Sequence[Any], kwargs: dict[str, Any], *,
         args, kw = list(inputs), dict(kwargs)
     else:
         fn, name = opdef.fn, opdef.name
-        kwargs = _without_defaults(opdef.signature, fn, dict(kwargs))
-        args, kw = opdef.replay(list(inputs), kwargs, keywords=_keywords(fn, kwargs))
+        # what the call passed by keyword, where the trace saw the call as written: a C
+        # builtin (a Python function dispatching through __torch_function__ passes all
+        # by keyword, whatever the model wrote)
+        written = frozenset(getattr(op, "keywords", ())) if _no_signature(fn) else frozenset()
+        kwargs = _without_defaults(opdef.signature, fn, dict(kwargs), written)
+        args, kw = opdef.replay(list(inputs), kwargs,
+                                keywords=_keywords(fn, kwargs, written))
+        args = _drop_trailing_defaults(opdef.signature, args)
         if opdef.emit_fn is not None:
             return _custom(op, args, kw, where)
         if opdef.code_impl_pattern == "source":

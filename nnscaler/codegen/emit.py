@@ -16,16 +16,22 @@ class attribute (:class:`nnscaler.runtime.pipeline.Pipeline`) for the executor.
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any
 
+import attrs
+import torch
 import torch.utils._pytree as pytree
 
+from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.layouts import shifted
 from nnscaler.codegen.literals import Code, literal
 from nnscaler.codegen.pipeline import StagePlan
 from nnscaler.codegen.program import AdapterSpec, OpStep, Program
+from nnscaler.codegen.wrap import WIDTH as _WIDTH
+from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Plan
@@ -89,6 +95,8 @@ class _Rank:
         self.pipe = p.pipeline
         self.group = self.pipe.group_of(self.device) if self.pipe is not None else None
         self.received: set[str] = set()  # variables a stage receives (pipelines)
+        self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
+        self.methods: list[list[str]] = []  # the methods the pieces call
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -104,8 +112,12 @@ class _Rank:
             return f"self.{leaf.name}"
         return self.p.variables[full]
 
-    def read_var(self, step: OpStep, k: int) -> str:
+    def read_var(self, step: OpStep, k: int) -> str | None:
         read = step.reads[k]
+        if read.first_part:  # the weight on value part 0, nothing (None) on the others
+            if read.layout.coords(self.device)[1]:
+                return None
+            return self.source_var(read.full)
         if read.adapter is not None:
             return read.adapter.result
         return self.source_var(read.full)
@@ -126,7 +138,8 @@ class _Rank:
 
         def to_code(x: Any) -> Any:
             if isinstance(x, SubTensor):
-                return Code(self.read_var(step, next(counter)))
+                var = self.read_var(step, next(counter))
+                return None if var is None else Code(var)
             return x
 
         inputs = pytree.tree_map(to_code, list(op.inputs))
@@ -187,38 +200,107 @@ class _Rank:
             out_lines += self.adapter_lines(spec)
         prologue = self.prologue()
         out_lines.append(f"return {self.returned()}")
-        return list(prologue) + _render(blocks) + out_lines
+        body = list(prologue) + _render(blocks) + out_lines
+        return self.with_recompute(body, [name for name, _ in self.p.args])
 
-    def steps_body(self, steps: list[OpStep]) -> list[tuple[bool, list[str]]]:
+    def steps_body(self, steps: list[OpStep]) -> list[tuple[_Mode | None, list[str]]]:
         """This device's lines of ``steps``: blocks of lines, each with or without
-        gradients."""
-        blocks: list[tuple[bool, list[str]]] = []  # (no_grad, lines)
+        gradients and under the autocast its ops were traced in; a block ``(None,
+        [marker])`` opens or closes a piece of a recompute group
+        (:mod:`nnscaler.codegen.recompute`), which adapters cut."""
+        blocks: list[tuple[_Mode | None, list[str]]] = []  # ((no_grad, autocast), lines)
+        open_: list[int] = []  # the key of the open piece, if any
 
-        def add(no_grad: bool, lines: list[str]) -> None:
+        def add(mode: _Mode | None, lines: list[str]) -> None:
             if not lines:
                 return
-            if blocks and blocks[-1][0] == no_grad:
+            if mode is not None and blocks and blocks[-1][0] == mode:
                 blocks[-1][1].extend(lines)
             else:
-                blocks.append((no_grad, list(lines)))
+                blocks.append((mode, list(lines)))
+
+        def close() -> None:
+            if open_:
+                add(None, [recompute.END])
+                open_.clear()
 
         last_comment = ""
         for step in steps:
-            lines: list[str] = []
+            adapter_lines: list[str] = []
             for spec in step.adapters:
-                lines += self.adapter_lines(spec)
+                adapter_lines += self.adapter_lines(spec)
             op = step.instances.get(self.device)
-            if op is not None:
-                note = self.comment(op)
-                if note != last_comment:
-                    lines.append(note)
-                    last_comment = note
-                lines += self.op_lines(step, op)
-            add(step.no_grad, lines)
+            group = op.plan.recompute if op is not None else None
+            if adapter_lines:  # adapters run once, outside any recompute piece
+                close()
+                add((step.no_grad, step.origin.autocast), adapter_lines)
+            if op is None:
+                continue
+            if open_ and self.segments[open_[0]].group != group:
+                close()
+            if group is not None and not open_:
+                key = len(self.segments)
+                self.segments[key] = recompute.Segment(group)
+                open_.append(key)
+                add(None, [f"{recompute.BEGIN}{key}>"])
+            lines: list[str] = []
+            note = self.comment(op)
+            if note != last_comment:
+                lines.append(note)
+                last_comment = note
+            lines += self.op_lines(step, op)
+            if open_ and op.mutations:
+                seg = self.segments[open_[0]]
+                changed = tuple((self.mutated_var(step, before.full), self.p.graph.describe(op))
+                                for before, _ in op.mutations)
+                self.segments[open_[0]] = attrs.evolve(seg, inplace=seg.inplace + changed)
+            add((step.no_grad, step.origin.autocast), lines)
+        close()
         return blocks
 
+    def mutated_var(self, step: OpStep, full: FullTensor) -> str:
+        """The variable an op step reads ``full`` from (what an in-place op changes)."""
+        for k, r in enumerate(step.reads):
+            if r.full is full:
+                return self.read_var(step, k) or ""
+        leaf = self.p.leaves.get(full)
+        if leaf is not None and full.kind is not TensorKind.INPUT:
+            return ""  # a parameter or buffer: not an input of the piece
+        return self.source_var(full)
+
+    def with_recompute(self, body: list[str], params: list[str]) -> list[str]:
+        """``body`` with its recompute pieces turned into checkpointed calls; the methods
+        they call are kept for the class (``self.methods``)."""
+        new, methods = recompute.extract(body, params, self.segments,
+                                         enabled=not self.p.inference_only)
+        if any("torch.utils.checkpoint.checkpoint(" in line for line in new):
+            self.imports.add("torch.utils.checkpoint")
+        self.methods += methods
+        return new
+
+    def input_checks(self) -> list[str]:
+        """``boundary.check_inputs({...})``: every forward argument against what the module
+        was traced with (tensors: shape and dtype; Python values: the constant the code
+        holds), before anything runs."""
+        entries = [f"{leaf.access!r}: ({leaf.access}, {tuple(full.shape)!r}, "
+                   f"{literal(full.dtype)})"
+                   for full, leaf in self.p.leaves.items() if full.kind is TensorKind.INPUT]
+        if self.pipe is None:  # a pipeline stage takes the sample only
+            for name, default in self.p.args:
+                value = self.p.graph.inputs.get(name, default)
+                if default is not None:  # not traced: the code ran with the default
+                    entries.append(f"{name!r}: ({name}, {default})")
+                elif value is None or isinstance(value, (bool, int, float, str)):
+                    entries.append(f"{name!r}: ({name}, {literal(value)})")
+        if not entries:
+            return []
+        if len(entries) == 1:
+            return [f"boundary.check_inputs({{{entries[0]}}})"]
+        return ["boundary.check_inputs({", *(f"{_INDENT}{e}," for e in entries), "})"]
+
     def prologue(self) -> list[str]:
-        lines = []
+        # a pipeline checks every sample before its schedule runs (_check_inputs)
+        lines = self.input_checks() if self.pipe is None else []
         training = not self.p.inference_only
         for full, leaf in self.p.leaves.items():
             if full.kind is not TensorKind.INPUT:
@@ -318,6 +400,7 @@ class _Rank:
             tail.append(f"return {self.stage_returned(stage, sent)}")
         body = self.prologue() + self.clones(stage, received) + _render(blocks) + tail
         args = [self.p.args[0][0], *(self.p.variables[f] for f in received)]
+        body = self.with_recompute(body, args)
         nstages = len(pipe.stages)
         what = []
         if received:
@@ -460,6 +543,40 @@ class _Rank:
         return lines
 
     # -- the file -----------------------------------------------------------------------
+    def docstring(self, where: str) -> list[str]:
+        """What produced the file (nnscaler's version, the model, the policy, the compute
+        config) and how to write it again."""
+        p = self.p
+        origin = p.origin
+        first = (f"Generated by nnscaler {_version()}: the program of rank {self.rank} of "
+                 f"{p.runtime_ngpus} (device {self.device} of a {p.plan_ngpus}-device plan, "
+                 f"scale unit {self.unit} of {p.nunits}){where}.")
+        paragraphs = [first]
+        if origin.get("module") or origin.get("policy"):
+            paragraphs.append(f"Model: {origin.get('module', '?')}; policy: "
+                              f"{origin.get('policy', '?')}.")
+        config = [f"plan_ngpus={p.plan_ngpus}", f"runtime_ngpus={p.runtime_ngpus}",
+                  f"use_end2end={p.end2end}", f"inference_only={p.inference_only}"]
+        config += [f"{k}={v!r}" for k, v in p.reducer_config.items()]
+        config += [f"{k}={v!r}" for k, v in origin.get("config", {}).items()]
+        paragraphs.append(f"Compute config: {', '.join(config)}.")
+        if origin.get("policy"):
+            how = ("Regenerate: call nnscaler.parallelize again with the same model, policy "
+                   "and ComputeConfig (it rewrites this file when the model or the plan "
+                   "changes; reuse='override' rewrites it always).")
+        else:
+            how = ("Regenerate: nnscaler.codegen.build_program on the same planned graph, "
+                   "then generate_rank or emit_files.")
+        paragraphs.append(how + " Do not edit by hand: edits are lost when it is rewritten.")
+        lines: list[str] = []
+        for k, text in enumerate(paragraphs):
+            if k:
+                lines.append("")
+            lines += textwrap.wrap(text, width=_WIDTH - 3 if k == 0 else _WIDTH,
+                                   break_long_words=False, break_on_hyphens=False)
+        lines[0] = '"""' + lines[0]
+        return [*lines, '"""']
+
     def source(self) -> str:
         p = self.p
         pipe = self.pipe
@@ -473,32 +590,36 @@ class _Rank:
                 if stage.group == self.group:
                     methods += ["", *self.stage_method(stage)] if methods else \
                         self.stage_method(stage)
+            checks = self.input_checks()
+            if checks:
+                methods += ["", f"def _check_inputs(self, {self.p.args[0][0]}):",
+                            f'{_INDENT}"""A micro-batch against the traced sample (train_step and '
+                            f'infer_step check each before the schedule runs)."""',
+                            *(_INDENT + line for line in checks)]
+        for extra in self.methods:  # the pieces of recompute groups
+            methods += ["", *extra]
         init = self.init_lines()
         where = ""
         if pipe is not None:
             mine = [str(st.index) for st in pipe.stages if st.group == self.group]
             where = (f": pipeline stage{'s' if len(mine) > 1 else ''} {', '.join(mine)} of "
                      f"{len(pipe.stages)}")
-        head = [
-            f'"""Generated by nnscaler: the program of rank {self.rank} of {p.runtime_ngpus} '
-            f"(device {self.device} of a {p.plan_ngpus}-device plan, scale unit {self.unit} of "
-            f'{p.nunits}){where}.',
-            "",
-            "Do not edit: nnscaler.parallelize writes it again when the model or the plan "
-            "changes.",
-            '"""',
-            "",
-            "import torch",
-        ]
-        modules = sorted(m for m in self.imports if m != "torch" and m != "builtins")
-        head += [f"import {m}" for m in modules]
-        runtime = "Adapter, ParallelModule, boundary" if self.adapters else "ParallelModule, boundary"
-        head += ["", f"from nnscaler.runtime import {runtime}"]
+        head = [*self.docstring(where), "", "import torch"]
+
+        modules = sorted(m for m in self.imports if m not in ("torch", "builtins"))
+        head += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
+        # the public runtime only (docs/runtime.md): nnscaler's own ops come from
+        # nnscaler.runtime.ops, everything else from nnscaler.runtime
+        head.append("")
+        head += [f"import {m}" for m in modules if m.startswith("nnscaler.")]
+        names = ["ParallelModule", "boundary"]
+        if self.adapters:
+            names.append("Adapter")
         if pipe is not None:
-            names = ["Piece", "Pipeline", "parse_schedule"]
+            names += ["Piece", "Pipeline", "parse_schedule"]
             if any("anchored(" in line for line in methods):
-                names.insert(0, "anchored")
-            head.append(f"from nnscaler.runtime.pipeline import {', '.join(names)}")
+                names.append("anchored")
+        head.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
         for d in self.defs:
             head += ["", "", d.rstrip()]
         if self.adapters:
@@ -532,14 +653,36 @@ class _Rank:
         cls += [_INDENT * 2 + line for line in init]
         cls += [f"{_INDENT * 2}self._post_init(init_params)", ""]
         cls += [_INDENT + line if line else "" for line in methods]
-        return "\n".join(head + cls) + "\n"
+        return "\n".join(wrap_lines(head + cls)) + "\n"
 
 
-def _render(blocks: list[tuple[bool, list[str]]]) -> list[str]:
+def _version() -> str:
+    """The installed distribution's version (the facade ``nnscaler.__version__`` sits
+    above this layer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nnscaler")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+#: How a block of generated lines runs: (no_grad, the autocast of its ops).
+_Mode = tuple[bool, tuple[tuple[str, torch.dtype], ...]]
+
+
+def _render(blocks: list[tuple[_Mode | None, list[str]]]) -> list[str]:
     body: list[str] = []
-    for no_grad, lines in blocks:
-        if no_grad:
-            body.append("with torch.no_grad():")
+    for mode, lines in blocks:
+        if mode is None:  # a recompute marker
+            body += lines
+            continue
+        no_grad, autocast = mode
+        contexts = ["torch.no_grad()"] if no_grad else []
+        contexts += [f"torch.autocast({device!r}, dtype={literal(dtype)})"
+                     for device, dtype in autocast]
+        if contexts:
+            body.append(f"with {', '.join(contexts)}:")
             body += [_INDENT + line for line in lines]
         else:
             body += lines

@@ -92,6 +92,7 @@ def emit_files(
     compute_config: Any = None,
     forward_signature: inspect.Signature | None = None,
     program: Program | None = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write ``gencode{rank}.py`` for every runtime rank and ``fullmodel.pt`` into
     ``outdir`` (created if missing); returns the paths written.
@@ -102,13 +103,14 @@ def emit_files(
     those attributes or a mapping); ``forward_signature`` (the traced module's
     ``inspect.signature(module.forward)``) orders the generated forward's arguments and
     keeps the untraced ones with their defaults. ``program`` reuses an analysis made by
-    :func:`~nnscaler.codegen.build_program` with the same arguments.
+    :func:`~nnscaler.codegen.build_program` with the same arguments; ``origin`` (what
+    produced the plan: ``module``, ``policy``) goes into each file's header.
     """
     if program is None:
         program = build_program(
             graph, plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus, end2end=end2end,
             inference_only=inference_only, compute_config=compute_config,
-            forward_signature=forward_signature,
+            forward_signature=forward_signature, origin=origin,
         )
     sources = {rank: generate_rank(program, rank) for rank in range(program.runtime_ngpus)}
     weights = full_state(program.graph, state)

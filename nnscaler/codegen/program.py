@@ -41,10 +41,11 @@ from nnscaler.codegen.pipeline import (
     map_layout,
     pipeline_settings,
 )
+from nnscaler.codegen.recompute import check_groups as check_recompute_groups
 from nnscaler.graph import IRGraph, check_plan
 from nnscaler.graph.check import written_by
 from nnscaler.graph.graph import as_irgraph
-from nnscaler.ir import FullTensor, Graph, Op, TensorKind
+from nnscaler.ir import FullTensor, Graph, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Layout, Plan
 from nnscaler.layout import plan as make_plan
 
@@ -86,11 +87,16 @@ class AdapterSpec:
 
 @attrs.define(eq=False)
 class Read:
-    """A tensor an op step reads, in one slot: through ``adapter`` or directly."""
+    """A tensor an op step reads, in one slot: through ``adapter`` or directly.
+
+    ``first_part``: a weight the op reads in value parts (a row-parallel linear's bias)
+    where the argument may be ``None``: the device of value part 0 passes the weight it
+    holds, the others pass ``None`` (Megatron's bias on the first part; no adapter)."""
 
     full: FullTensor
     layout: Layout
     adapter: AdapterSpec | None
+    first_part: bool = False
 
 
 @attrs.define(eq=False)
@@ -158,6 +164,9 @@ class Program:
     process_groups: list[tuple[int, ...]]
     reducer_groups: list[tuple[int, ...]]
     pipeline: PipelinePlan | None = None
+    #: what produced the plan, for the file's header: ``module`` (class path), ``policy``
+    #: (name) and ``config`` (compute config fields beyond the sizes and reducer options)
+    origin: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def nunits(self) -> int:
@@ -290,6 +299,7 @@ def build_program(
     compute_config: Any = None,
     forward_signature: inspect.Signature | None = None,
     pipeline: Any = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> Program:
     """Analyse a planned, checked graph for code generation (see the module docstring).
 
@@ -302,6 +312,10 @@ def build_program(
     a pipeline (see :mod:`nnscaler.codegen.pipeline`): ``pipeline`` (a
     :class:`~nnscaler.codegen.pipeline.PipelineSettings` or a dict) or else
     ``compute_config.pas_config`` gives ``pipeline_nmicros`` and ``pipeline_scheduler``.
+
+    ``origin`` says what produced the plan, for the header of each file: ``module`` (the
+    model's class path), ``policy`` (its name) and ``config`` (other compute config
+    fields worth showing, by name); :func:`nnscaler.parallelize` passes them.
     """
     plan_ngpus = _positive("plan_ngpus", plan_ngpus)
     runtime_ngpus = _positive("runtime_ngpus", runtime_ngpus)
@@ -335,6 +349,7 @@ def build_program(
         _check_pipeline_args(g, args)
     builder.name_inputs()
     steps = [builder.step(origin, insts, pos) for pos, (origin, insts) in enumerate(builder.runs)]
+    check_recompute_groups(g, steps, g.describe)
     outputs, output_adapters = builder.outputs()
     builder.name_held()
     if pipe is not None:
@@ -357,9 +372,44 @@ def build_program(
         process_groups=[],
         reducer_groups=[],
         pipeline=pipe,
+        origin=_origin(origin, compute_config),
     )
     program.process_groups, program.reducer_groups = process_groups(program)
     return program
+
+
+def _origin(origin: Mapping[str, Any] | None, compute_config: Any) -> dict[str, Any]:
+    out = dict(origin or {})
+    config = dict(out.get("config") or {})
+    pas = getattr(compute_config, "pas_config", None)
+    if pas:
+        config.setdefault("pas_config", dict(pas))
+    if config:
+        out["config"] = config
+    return out
+
+
+def _none_allowed(op: Op, k: int) -> bool:
+    """Input slot ``k`` of ``op`` is an argument by itself (not inside a list) whose
+    parameter defaults to ``None`` in the op's signature (a bias)."""
+    sig = op.opdef.signature if op.opdef is not None else None
+    if sig is None:
+        return False
+    params = list(sig.parameters.values())
+    start = 0
+    for i, x in enumerate(op.inputs):
+        n = sum(1 for _ in tensors_in(x))
+        if start <= k < start + n:
+            return (n == 1 and isinstance(x, SubTensor) and i < len(params)
+                    and params[i].default is None)
+        start += n
+    for name, x in op.kwargs.items():
+        n = sum(1 for _ in tensors_in(x))
+        if start <= k < start + n:
+            p = sig.parameters.get(name)
+            return n == 1 and isinstance(x, SubTensor) and p is not None and p.default is None
+        start += n
+    return False
 
 
 def _check_pipeline_args(g: IRGraph, args: list[tuple[str, str | None]]) -> None:
@@ -546,6 +596,9 @@ class _Builder:
                                    f"input {k}; the op was edited inconsistently")
             placed = [Placed.of(op.device, s[k]) for op, s in zip(insts, slots, strict=True)]  # type: ignore[arg-type]
             dst = to_layout(full, placed, what=f"{reader} reads input {k}")
+            if self._first_part(full, dst, insts, k):
+                reads.append(Read(full, dst, None, first_part=True))
+                continue
             src = self.source(full, dst, pos, reader)
             spec, new = self.adapter(full, src, dst, no_grad)
             if new and spec is not None:
@@ -561,6 +614,35 @@ class _Builder:
         if self.pipe is not None:
             self.pipe.stages[self.stage].steps.append(step)
         return step
+
+    def _first_part(self, full: FullTensor, dst: Layout, insts: list[Op], k: int) -> bool:
+        """Whether input ``k`` of ``insts`` is a weight read in value parts into an
+        argument that may be ``None`` (see :class:`Read`); if so the weight is held on the
+        devices of value part 0 only (its first reader decides, as for every weight)."""
+        if dst.v == 1 or not full.is_leaf or full.version or full.kind not in (
+                TensorKind.PARAMETER, TensorKind.BUFFER, TensorKind.CONSTANT):
+            return False
+        if not all(_none_allowed(op, k) for op in insts):
+            return False
+        if any(before.full is full for op in insts for before, _ in op.mutations):
+            return False
+        firsts = [d for d in dst.devices if dst.coords(d)[1] == 0]
+        held = restrict(fold_values(dst), firsts)
+        if held is None:
+            return False
+        pipe = self.pipe
+        here = pipe.stages[self.stage] if pipe is not None else None
+        leaf = self.leaves.get(full)
+        if leaf is None:
+            leaf = Leaf(full, held, "", group=here.group if here is not None else 0)
+            self.leaves[full] = leaf
+        mine = leaf.layout if here is None or pipe is None else map_layout(
+            leaf.layout, pipe.groups[leaf.group], here.devices)
+        if mine != held:
+            return False
+        if here is not None:
+            leaf.groups.add(here.group)
+        return True
 
     def _part_devices(self, origin: Op, insts: list[Op]) -> tuple[int, ...] | None:
         """The devices of the parts of a collective part op, in part order; None for

@@ -70,6 +70,8 @@ def format_op(op: Op) -> str:
     if op.module_class:
         where += f" ({op.module_class.rsplit('.', 1)[-1]})"
     flags = [flag for flag, on in (("in-place", op.inplace), ("no_grad", op.no_grad)) if on]
+    flags += [f"autocast({device}, {str(dtype).removeprefix('torch.')})"
+              for device, dtype in op.autocast]
     flags += [f"{key} {value}" for key, value in (
         ("device", op.plan.device), ("stage", op.plan.stage), ("recompute", op.plan.recompute)
     ) if value is not None]

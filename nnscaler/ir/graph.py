@@ -20,8 +20,9 @@ class Graph:
     ``inputs`` maps each forward argument name to its value's structure, with a
     :class:`SubTensor` for every tensor and constants elsewhere; ``outputs`` is the value
     ``forward`` returned, in the same form. ``data_dependent`` lists the Python values that
-    the trace read from tensor *data* (``x.item()``, ``if x.any():``): the graph holds the
-    values seen then, as constants.
+    the trace read from tensor *data* (``x.item()``, ``if x.any():``) and the calls whose
+    result's size depends on data (``torch.nonzero``): the graph holds the values and sizes
+    seen then, as constants (``parallelize`` refuses such a graph unless allowed).
     """
 
     def __init__(self) -> None:

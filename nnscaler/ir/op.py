@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.ir.tensor import SubTensor
@@ -14,6 +16,17 @@ from nnscaler.ir.tensor import SubTensor
 if TYPE_CHECKING:
     from nnscaler.anno import BoundAnno
     from nnscaler.ops.registry import OpDef
+
+
+def autocast_context(autocast: Sequence[tuple[str, torch.dtype]]) -> Any:
+    """``torch.autocast`` for each recorded ``(device_type, dtype)``, nested (a null
+    context for none)."""
+    if not autocast:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device_type, dtype in autocast:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
 
 
 @attrs.define(kw_only=True)
@@ -54,6 +67,8 @@ class Op:
       opaque op, the positional arguments. Tensors are :class:`SubTensor`, possibly inside
       lists (``torch.cat``); everything else is a constant;
     - ``kwargs``: every other argument, by name (constants; a tensor here is an input too);
+    - ``keywords``: the parameters the model's call passed by keyword (generated code
+      passes them by keyword again, as the user wrote them);
     - ``outputs``: the leaves of the value the function returned (a :class:`SubTensor` per
       tensor, constants otherwise) and ``output_spec``, how they nest;
     - ``mutations``: ``(before, after)`` per tensor the op changed in place: later ops see
@@ -61,6 +76,9 @@ class Op:
     - where it came from: ``module_path`` (``'layers.0.self_attn'``; ``''`` for the root),
       ``module_class``, the model's ``source_file``/``source_line`` and its ``code``;
     - ``no_grad``: the call ran with gradients disabled;
+    - ``autocast``: ``(device_type, dtype)`` for every device type whose ``torch.autocast``
+      was on during the call (``()``: none); :meth:`call` and generated code run the op
+      under the same autocast, so it computes in the dtypes eager did;
     - ``plan``: where a policy placed this instance (device, pipeline stage, recompute
       group); see :class:`OpPlan`.
     """
@@ -72,6 +90,7 @@ class Op:
     anno: BoundAnno | None
     inputs: tuple[Any, ...] = attrs.field(converter=tuple)
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    keywords: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     outputs: tuple[Any, ...] = attrs.field(converter=tuple)
     output_spec: pytree.TreeSpec = attrs.field(repr=False)
     mutations: tuple[tuple[SubTensor, SubTensor], ...] = attrs.field(default=(), converter=tuple)
@@ -81,6 +100,7 @@ class Op:
     source_line: int = 0
     code: str = ""
     no_grad: bool = False
+    autocast: tuple[tuple[str, torch.dtype], ...] = attrs.field(default=(), converter=tuple)
     plan: OpPlan = attrs.field(factory=OpPlan, repr=False)
 
     @property
@@ -133,9 +153,10 @@ class Op:
 
     def call(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Run the op on concrete ``inputs``/``kwargs`` laid out as :attr:`inputs`/:attr:`kwargs`."""
-        if self.opdef is not None:
-            return self.opdef.call(inputs, kwargs)
-        return self.fn(*inputs, **kwargs)
+        with autocast_context(self.autocast):
+            if self.opdef is not None:
+                return self.opdef.call(inputs, kwargs)
+            return self.fn(*inputs, **kwargs)
 
     def __str__(self) -> str:
         from nnscaler.ir.format import format_op

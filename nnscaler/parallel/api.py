@@ -228,11 +228,18 @@ class _Generator:
             from nnscaler.trace import trace
 
             graph = trace(self.module(), self.args, strategy=self.config.trace_strategy)
+        from nnscaler.trace.data_dependent import check_data_dependent
+
+        check_data_dependent(graph.data_dependent, allow=self.config.allow_data_dependent)
         # ReuseType other than MATCH: what was there goes, even if generation fails below
         # (a MATCH call only gets here when there is no complete directory)
         files.remove_dir(self.outdir)
         with files.staging_dir(self.outdir) as tmp:
             planned = self._plan(graph)
+            if self.config.check_custom_ops:
+                from nnscaler.parallel.op_checks import check_custom_ops
+
+                check_custom_ops(planned)
             self._emit(planned, tmp)
             try:
                 files.save_graph(graph, tmp / files.GRAPH_FILE)
@@ -310,7 +317,14 @@ class _Generator:
             runtime_ngpus=self.config.runtime_ngpus, state=module,
             end2end=self.config.use_end2end, inference_only=self.config.inference_only,
             compute_config=self.config, forward_signature=inspect.signature(module.forward),
+            origin={"module": files.class_path(self.cls), "policy": self._policy_name()},
         )
+
+    def _policy_name(self) -> str:
+        """The policy as the user named it (a registered name or a function's name)."""
+        if isinstance(self.pas_policy, str):
+            return repr(self.pas_policy)
+        return getattr(self.pas_policy, "__qualname__", repr(self.pas_policy))
 
 
 # -- rank 0 -> everyone -----------------------------------------------------------------

@@ -206,6 +206,13 @@ class ComputeConfig:
         trace_strategy: ``'real'`` (run forward on the dummy inputs) or ``'meta'``.
         use_async_reducer: overlap gradient reduction with backward.
         reducer_bucket_cap_mb: reducer bucket size in MiB; None for the default (25).
+        allow_data_dependent: accept a traced graph that read values or sizes from
+            tensor data (``if x.sum() > 0:``, ``x.item()``, ``torch.nonzero``): the values
+            the dummy inputs gave are then used for every batch. Off: ``parallelize``
+            refuses such a graph, naming each line (``docs/tracing.md``).
+        check_custom_ops: at ``parallelize``, check every op registered outside the
+            built-ins whose pieces the plan runs against its annotation, on random inputs
+            of its traced shapes (``docs/annotations.md``); off skips the check.
         pas_config: options for the policy (read by policies as
             ``compute_config.pas_config``).
         user_config: anything else that should decide whether generated code is reused
@@ -222,6 +229,8 @@ class ComputeConfig:
     trace_strategy: str = attrs.field(default="real", validator=_trace_strategy)
     use_async_reducer: bool = attrs.field(default=False, validator=_bool)
     reducer_bucket_cap_mb: float | None = attrs.field(default=None, validator=_bucket_cap)
+    allow_data_dependent: bool = attrs.field(default=False, validator=_bool)
+    check_custom_ops: bool = attrs.field(default=True, validator=_bool)
     pas_config: FrozenDict = attrs.field(
         factory=FrozenDict, converter=_to_frozen, validator=_mapping
     )

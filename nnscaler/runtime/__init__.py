@@ -5,6 +5,10 @@ Device selection and start-up (:mod:`~nnscaler.runtime.device`), the process-gro
 (:mod:`~nnscaler.runtime.collectives`), the adapter runner
 (:mod:`~nnscaler.runtime.adapters`) and a clean exit (:mod:`~nnscaler.runtime.teardown`,
 run at interpreter exit). See ``docs/runtime.md``.
+
+Generated code (``gencode{rank}.py``) imports only from here: ``ParallelModule``,
+``Adapter`` and ``boundary``; for pipelines ``Piece``, ``Pipeline``, ``parse_schedule``
+and ``anchored``; and nnscaler's own op implementations from :mod:`nnscaler.runtime.ops`.
 """
 
 # ruff: noqa: F401  (re-exports: keep this a plain list of imports)
@@ -47,3 +51,4 @@ from nnscaler.runtime import boundary
 from nnscaler.runtime.boundary import Adapter
 from nnscaler.runtime.module import AttrMeta, ParallelModule, ParallelModuleError
 from nnscaler.runtime.partgroup import ProcessPartGroup
+from nnscaler.runtime.pipeline import Piece, Pipeline, anchored, parse_schedule

@@ -32,7 +32,7 @@ from nnscaler.runtime.adapters import execute_plan, plan_groups
 from nnscaler.runtime.collectives import CollectiveError, raw_all_reduce
 from nnscaler.runtime.device import current_device
 
-__all__ = ["Adapter", "input", "output"]
+__all__ = ["Adapter", "check_inputs", "input", "output"]
 
 
 class _Output(torch.autograd.Function):
@@ -99,6 +99,61 @@ def data_input(t: Any, name: str) -> Any:
             f"{name.split('[')[0]!r}: x.detach().requires_grad_()), or detach the input"
         )
     return t
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _same_constant(value: Any, traced: Any) -> bool:
+    if traced is None or value is None:
+        return value is traced
+    if isinstance(value, torch.Tensor) or isinstance(value, bool) != isinstance(traced, bool):
+        return False
+    try:
+        return bool(value == traced)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
+        return False
+
+
+def check_inputs(expected: dict[str, tuple[Any, ...]]) -> None:
+    """The forward arguments against what the module was traced with, before anything
+    runs (no collective has started, so every rank that sees a difference stops here).
+
+    ``expected`` maps each argument (``"x"``, ``"batch['ids']"``) to ``(value, shape,
+    dtype)`` for a tensor, or ``(value, traced)`` for a Python value that the generated
+    code holds as a constant. The generated program is specialised to these: the plan's
+    splits, layouts and message sizes follow from the traced shapes, so nothing may differ.
+    """
+    for name, entry in expected.items():
+        if len(entry) == 3:
+            value, shape, dtype = entry
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape) \
+                    and value.dtype == dtype:
+                continue
+            traced = f"a tensor of shape {list(shape)} and dtype {dtype}"
+            cast = (f", or cast it with .to({dtype})" if isinstance(value, torch.Tensor)
+                    and value.dtype != dtype else "")
+            fix = (f"Feed inputs of the traced shape and dtype (drop_last=True for a smaller "
+                   f"last batch, or pad it{cast}), or parallelize again with dummy inputs like "
+                   f"this one (instance_name='...' keeps both)")
+        else:
+            value, traced_value = entry
+            if _same_constant(value, traced_value):
+                continue
+            traced = f"{traced_value!r}, which it holds as a constant"
+            fix = (f"Pass {traced_value!r}, or parallelize again with the value you use in "
+                   f"dummy_forward_args")
+        from nnscaler.runtime.module import ParallelModuleError
+
+        raise ParallelModuleError(
+            f"the forward argument {name!r} is {_fmt(value)}, but the module was parallelized "
+            f"with {traced}: the generated code is specialised to what it was traced with "
+            f"(its splits, layouts and communication follow from the traced shapes and "
+            f"dtypes; plans are not shape-generic), so no input may differ. {fix}."
+        )
 
 
 class Adapter:

@@ -12,12 +12,23 @@ chosen, in order of precedence, by
 ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) unless
 one is already running, with the backend that fits the device (NCCL for CUDA, gloo for
 CPU).
+
+Two things make runs under ``torchrun --max-restarts=N`` reliable:
+
+- each restart attempt forms its group under its own key prefix in torchrun's store
+  (``TORCHELASTIC_RESTART_COUNT``): without it a new attempt can read the addresses the
+  dead attempt published and fail to connect;
+- every collective has a bound, ``collective_timeout`` (default
+  :data:`DEFAULT_COLLECTIVE_TIMEOUT`, not torch's 30 minutes), applied to the default
+  group and to every group :mod:`nnscaler.runtime.groups` creates, so a hung rank ends
+  the job in bounded time instead of blocking the others forever.
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +36,11 @@ import torch.distributed as dist
 from nnscaler.errors import NNScalerError
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEVICE_ENV",
     "DeviceError",
     "backend_for",
+    "collective_timeout",
     "current_device",
     "device_type",
     "init_distributed",
@@ -40,6 +53,12 @@ DEVICE_ENV = "NNSCALER_DEVICE"
 _DEVICE_TYPES = ("cpu", "cuda")
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+#: How long a collective may wait for the other ranks before it fails (5 minutes).
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+# the timeout of the default group this module started; None: torch's own default
+_timeout: list[Any] = [None, None]  # [timeout, the default group it belongs to]
 
 
 class DeviceError(NNScalerError, RuntimeError):
@@ -103,20 +122,61 @@ def current_device(device: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def collective_timeout() -> timedelta | None:
+    """The timeout of the process group :func:`init_distributed` started (None when it
+    did not start one: torch's default applies); new groups take the same bound."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _timeout[0] if _timeout[1] is dist.group.WORLD else None
+
+
+def _timedelta(value: timedelta | float | int | None) -> timedelta:
+    if value is None:
+        return DEFAULT_COLLECTIVE_TIMEOUT
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise DeviceError(f"timeout must be a timedelta or a number of seconds, got {value!r}")
+    if seconds <= 0:
+        raise DeviceError(f"timeout must be positive, got {seconds} s. Fix: give a bound such "
+                          f"as 300 (seconds).")
+    return timedelta(seconds=seconds)
+
+
+def _attempt_store(timeout: timedelta) -> Any:
+    """torchrun's TCP store, under a prefix of this restart attempt's own."""
+    host = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, world_size, is_master=not agent_store and rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    return dist.PrefixStore(f"nnscaler/attempt{attempt}/", store)
+
+
 def init_distributed(
-    device: str | None = None, *, timeout: timedelta | None = None
+    device: str | None = None, *, timeout: timedelta | float | None = None
 ) -> torch.device:
     """Start the default process group from torchrun's variables, unless one is running.
 
     The backend follows the device type (see :func:`device_type`). On CUDA the current
-    device is set to ``cuda:<local_rank>``. Returns the device to compute on. Calling it
-    again, or after someone else started the default group, only returns the device.
+    device is set to ``cuda:<local_rank>``. ``timeout`` (a timedelta or seconds; default
+    :data:`DEFAULT_COLLECTIVE_TIMEOUT`) bounds every collective of the default group and
+    of the groups nnscaler creates later. Each torchrun restart attempt rendezvouses
+    under its own store prefix. Returns the device to compute on. Calling it again, or
+    after someone else started the default group, only returns the device.
     """
     dev = current_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if dist.is_initialized():
         return dev
+    bound = _timedelta(timeout)
     missing = [name for name in _TORCHRUN_VARS if not os.environ.get(name)]
     if missing:
         raise DeviceError(
@@ -125,6 +185,8 @@ def init_distributed(
             f"script.py`, set them yourself, or call torch.distributed.init_process_group "
             f"before nnscaler."
         )
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(_BACKENDS[dev.type], init_method="env://", **kwargs)
+    store = _attempt_store(bound)
+    dist.init_process_group(_BACKENDS[dev.type], store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=bound)
+    _timeout[:] = [bound, dist.group.WORLD]
     return dev

@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nnscaler.errors import NNScalerError
+from nnscaler.runtime.device import collective_timeout
 
 __all__ = [
     "GroupError",
@@ -99,7 +100,8 @@ def ensure_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
         elif len(key) == world_size:
             _cache[key] = dist.group.WORLD
         else:
-            _cache[key] = dist.new_group(list(key))
+            # the bound init_distributed set (None: torch's default)
+            _cache[key] = dist.new_group(list(key), timeout=collective_timeout())
         _order.append(key)
 
 

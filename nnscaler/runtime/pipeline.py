@@ -492,6 +492,15 @@ def _spec(module: ParallelModule) -> Pipeline:
     return spec
 
 
+def _check_samples(module: ParallelModule, samples: list[Any]) -> None:
+    """Every micro-batch against the traced sample, on every rank, before any stage sends
+    or receives (the generated ``_check_inputs``; see ``boundary.check_inputs``)."""
+    check = getattr(module, "_check_inputs", None)
+    if check is not None:
+        for sample in samples:
+            check(sample)
+
+
 def train_step(module: ParallelModule, samples: Sequence[Any],
                is_dummy_batch: Sequence[bool] | None = None,
                scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Any]:
@@ -513,6 +522,7 @@ def train_step(module: ParallelModule, samples: Sequence[Any],
             f"{name}.train_step: is_dummy_batch has {len(is_dummy_batch)} entries for "
             f"{len(samples)} samples; give one flag per sample"
         )
+    _check_samples(module, samples)
     module.zero_grad()
     run = _Run(module, spec, samples, train=True, dummy=is_dummy_batch, scale_fn=scale_fn)
     with module.no_sync() if not module.inference_only else contextlib.nullcontext():
@@ -527,6 +537,7 @@ def infer_step(module: ParallelModule, samples: Sequence[Any]) -> list[Any]:
     samples = list(samples)
     if not samples:
         return []
+    _check_samples(module, samples)
     actions = forward_only(spec.stages, spec.nstages, len(samples), spec.nvirtual)
     run = _Run(module, spec, samples, train=False)
     with torch.no_grad():

@@ -18,9 +18,15 @@ class MetaTraceError(TraceError):
     """A call failed on the ``meta`` device, where no values are computed."""
 
 
-class DataDependentError(MetaTraceError):
-    """The model read a Python value from tensor data (``x.item()``, ``if x.any():``) while
-    tracing with the ``meta`` strategy, which has no data."""
+class DataDependentError(TraceError):
+    """The model reads Python values or sizes from tensor data (``x.item()``, ``if x.any():``,
+    ``torch.nonzero(x)``): with the ``meta`` strategy, which has no data, while tracing; at
+    ``parallelize``, because the traced graph would keep the values seen on the dummy
+    inputs for every batch."""
+
+
+class MetaDataDependentError(DataDependentError, MetaTraceError):
+    """A value read from tensor data while tracing with the ``meta`` strategy."""
 
 
 class OpaqueOpWarning(UserWarning):

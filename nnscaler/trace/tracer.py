@@ -12,7 +12,13 @@ Each call is run, then:
   knows the function, *opaque* otherwise. A call that changes an argument in place
   (detected by the tensor's version counter, so ``x[i] = v``, ``out=`` and
   ``inplace=True`` are covered) gives the changed tensor, and every tracked view of the
-  same storage, a new version.
+  same storage, a new version. Each op keeps the grad mode and the ``torch.autocast``
+  state it ran under; a call whose result's *size* depends on data (``torch.nonzero``,
+  ``x[mask]``, ``torch.where(cond)``) is listed in ``graph.data_dependent`` too.
+
+With the real strategy the forward runs on the user's module: :class:`_SavedState` puts
+back what it changed (buffers, parameters written in place, the random generators), so
+tracing leaves the module as it was.
 
 Functions wrapped by :func:`nnscaler.register_op` reach the tracer through
 :data:`nnscaler.ops.registry.op_call_interceptor`: one op is recorded and the function
@@ -38,8 +44,8 @@ from nnscaler.ops.registry import OpDef, op_call_interceptor, op_name_of
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.registry import USER_REGISTRANT
 from nnscaler.trace.errors import (
-    DataDependentError,
     ForwardSignatureError,
+    MetaDataDependentError,
     MetaTraceError,
     OpaqueOpWarning,
     TraceError,
@@ -73,6 +79,18 @@ _DATA_READS = frozenset(
         _T.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero,
     }
 )
+
+#: Calls whose result's *size* depends on tensor data (see :func:`_data_sized`).
+_DATA_SIZED = frozenset(
+    {
+        torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.masked_select,
+        _T.masked_select, torch.unique, _T.unique, torch.unique_consecutive,
+        _T.unique_consecutive, torch.bincount, _T.bincount,
+    }
+)
+
+#: The device types whose autocast state is recorded per op.
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 #: On the meta device these are moves to the device the tensor is already on.
 _DEVICE_MOVES = frozenset({_T.cpu, _T.cuda})
@@ -181,6 +199,7 @@ class Tracer:
             self._paths.setdefault(id(m), []).append(name)
         self._passthrough = 0
         self._warned: set[Any] = set()
+        self._saved: _SavedState | None = None
 
     # -- tensors ------------------------------------------------------------------------
     def _track(self, t: torch.Tensor, sub: SubTensor) -> SubTensor:
@@ -294,6 +313,8 @@ class Tracer:
             args, kwargs = pytree.tree_unflatten(flat, spec)
         inputs = [x for x in flat if isinstance(x, torch.Tensor)]
         versions = [_version(t) for t in inputs]
+        if self._saved is not None and _may_write(func, kwargs):
+            self._saved.keep(inputs)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -313,6 +334,7 @@ class Tracer:
         filename, line, source = self._where(func)
         name = opdef.name if opdef is not None else _func_name(func)
         anno, ir_inputs, ir_kwargs = None, None, None
+        keywords: frozenset[str] = frozenset()
         annotated = opdef is not None
         if opdef is not None:
             try:
@@ -337,6 +359,7 @@ class Tracer:
                 opdef, anno = None, None
             else:
                 ir_inputs, ir_kwargs = self._to_ir(call.inputs), self._to_ir(call.kwargs)
+                keywords = call.keywords
         if opdef is None:
             if not annotated:
                 self._warn_once(
@@ -383,6 +406,7 @@ class Tracer:
                 anno=anno,
                 inputs=tuple(ir_inputs),
                 kwargs=dict(ir_kwargs),
+                keywords=keywords,
                 outputs=tuple(ir_outputs),
                 output_spec=out_spec,
                 mutations=tuple(mutations),
@@ -392,8 +416,13 @@ class Tracer:
                 source_line=line,
                 code=code_line(filename, line),
                 no_grad=not torch.is_grad_enabled(),
+                autocast=_autocast_state(),
             )
         )
+        if _data_sized(func, args, kwargs):
+            sizes = ", ".join(str(list(o.shape)) for o in outs)
+            sizes = f"({sizes})" if len(outs) > 1 else sizes
+            self.graph.data_dependent.append(f"{name} -> size {sizes} at {source}")
         return out
 
     def _with_views(self, mutated: dict[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -410,7 +439,7 @@ class Tracer:
         name = _func_name(func)
         if self.meta and any(isinstance(x, torch.Tensor) and x.device.type == "meta"
                              for x in pytree.tree_leaves((args, kwargs))):
-            raise DataDependentError(
+            raise MetaDataDependentError(
                 f"{name} reads a Python value from tensor data at {source} "
                 f"({code_line(filename, line)!r}): the model's shapes or control flow depend "
                 f"on data, which the meta strategy does not compute. Trace with "
@@ -490,6 +519,9 @@ class Tracer:
         args = check_forward_args(self.module, dummy_forward_args)
         state = self._register_state()
         call_args = self._register_inputs(args)
+        # the real strategy runs the user's module: put its state back afterwards (the
+        # meta strategy runs on copies)
+        self._saved = None if self.meta else _SavedState(self.module)
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
         post = torch.nn.modules.module.register_module_forward_hook(
             self._post_hook, always_call=True
@@ -509,9 +541,114 @@ class Tracer:
             pre.remove()
             post.remove()
             self._stack.clear()
+            unrestored = self._saved.restore() if self._saved is not None else []
+        if unrestored:
+            raise TraceError(
+                f"forward changed parameter(s) of shape {', '.join(unrestored)} in place in a "
+                f"way the tracer cannot undo, so tracing would leave your module changed; "
+                f"change parameters outside forward, or with an in-place method "
+                f"(p.add_(...), p.copy_(...), p[i] = v) that the tracer sees"
+            )
         self.graph.outputs = self._to_ir(out)
         self.graph.validate()
         return self.graph
+
+
+class _SavedState:
+    """What the tracing forward may change in the user's module, saved before it runs and
+    put back after, so that tracing leaves the module as it was: buffers (BatchNorm's
+    running statistics and ``num_batches_tracked``), the parameters a call may write in
+    place, module attributes that held a buffer or parameter, and the random number
+    generators (dropout draws from them)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.slots: list[tuple[dict[str, Any], str, torch.Tensor | None]] = []
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.params: dict[int, tuple[torch.Tensor, int]] = {}
+        self.param_copies: dict[int, torch.Tensor] = {}
+        self.storages: dict[int, torch.Tensor] = {}  # storage address -> parameter
+        for m in module.modules(remove_duplicate=False):
+            for attr, b in m._buffers.items():
+                self.slots.append((m._buffers, attr, b))
+                if b is not None and id(b) not in self.buffers:
+                    self.buffers[id(b)] = (b, b.detach().clone(), _version(b))
+            for attr, p in m._parameters.items():
+                self.slots.append((m._parameters, attr, p))
+                if p is not None:
+                    self.params.setdefault(id(p), (p, _version(p)))
+                    self.storages.setdefault(_storage(p), p)
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the parameters that ``tensors`` are or alias (``p.data``, views) before a
+        call that may write them."""
+        for t in tensors:
+            p = self.storages.get(_storage(t))
+            if p is not None and id(p) not in self.param_copies:
+                self.param_copies[id(p)] = p.detach().clone()
+
+    def restore(self) -> list[str]:
+        """Put everything back; returns the shapes of parameters that changed in a way
+        that cannot be undone (none were copied before the write)."""
+        for slots, attr, tensor in self.slots:
+            if slots.get(attr) is not tensor:
+                slots[attr] = tensor
+        changed: list[str] = []
+        with torch.no_grad():
+            for t, copy, _ in self.buffers.values():  # also written through aliases
+                if t.device.type != "meta" and (_version(t) == -1 or not torch.equal(t, copy)):
+                    t.copy_(copy)
+            for key, (p, version) in self.params.items():
+                copy = self.param_copies.get(key)
+                if copy is not None:
+                    p.copy_(copy)
+                elif _version(p) != version:
+                    changed.append(str(list(p.shape)))
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return changed
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # e.g. a tensor subclass without storage
+        return -id(t)
+
+
+def _may_write(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call may write one of its tensor arguments in place."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" \
+        or kwargs.get("out") is not None or kwargs.get("inplace") is True \
+        or name.startswith("__i")
+
+
+def _data_sized(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether the size of ``func``'s result depends on the *values* of its inputs:
+    ``torch.nonzero``, ``torch.where(cond)`` (one argument), boolean-mask indexing,
+    ``torch.unique``, ``repeat_interleave`` by a tensor of counts, ..."""
+    if func in _DATA_SIZED:
+        return True
+    if func is torch.where:
+        return len(args) + len(kwargs) == 1
+    if func in (torch.repeat_interleave, _T.repeat_interleave):
+        if kwargs.get("output_size") is not None:
+            return False
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1
+    if func is _T.__getitem__ and len(args) > 1:
+        return any(isinstance(k, torch.Tensor) and k.dtype in (torch.bool, torch.uint8)
+                   for k in pytree.tree_leaves(args[1]))
+    return False
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """``(device_type, dtype)`` of every device type whose autocast is on now."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
 
 
 def _version(t: torch.Tensor) -> int:

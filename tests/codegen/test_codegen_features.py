@@ -22,6 +22,7 @@ from nnscaler.codegen import (
     load_generated_class,
 )
 from nnscaler.graph import IRGraph, PartitionError
+from nnscaler.runtime.module import ParallelModuleError
 from nnscaler.trace import trace
 
 
@@ -96,14 +97,17 @@ def test_one_process_matches_the_module(tmp_path):
     gen = load_generated_class(tmp_path, 0)()
     assert {m.kind for m in gen.fullmap.values()} == {"parameter", "buffer", "constant"}
     ref = copy.deepcopy(module)
-    want, got = ref({"x": x}), gen({"x": x}, flag=False)  # untraced: accepted, ignored
+    want, got = ref({"x": x}), gen({"x": x}, flag=True)  # untraced: its default only
+    with pytest.raises(ParallelModuleError, match=r"'flag' is False \(bool\), but the module "
+                       r"was parallelized with True, which it holds as a constant"):
+        gen({"x": x}, flag=False)
     assert got["n"] == 3 and isinstance(got["pair"], tuple)
     for a, b in [(want["y"], got["y"]), *zip(want["pair"], got["pair"], strict=True)]:
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     _loss(want).backward()
     _loss(got).backward()
     torch.testing.assert_close(gen.lin_weight.grad, ref.lin.weight.grad, rtol=0, atol=0)
-    assert gen.steps.item() == ref.steps.item() == 2  # one trace, one forward each
+    assert gen.steps.item() == ref.steps.item() == 1  # tracing leaves the module as it was
     assert "steps" not in gen.state_dict() and "scale" in gen.state_dict()
 
 
@@ -143,10 +147,9 @@ def test_infer_step_and_inference_only(tmp_path, inference_only):
     (out,) = gen.infer_step([{"x": x}])
     assert not out["y"].requires_grad
     assert bool(gen.reducers) != inference_only
-    assert (generate_rank(build_program(graph, plan_ngpus=1, runtime_ngpus=1,
+    assert (generate_rank(build_program(graph, plan_ngpus=1, runtime_ngpus=1, end2end=True,
                                         inference_only=inference_only), 0)
-            == (tmp_path / "gencode0.py").read_text().replace("end2end = True",
-                                                              "end2end = False"))
+            == (tmp_path / "gencode0.py").read_text())
 
 
 def test_custom_ops_in_generated_code(tmp_path, fresh_plugins):

@@ -36,8 +36,8 @@ def test_gpt_batch_split(tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt", "gpt_nobias"])
 def test_gpt_megatron_tp(tmp_path, name):
-    """Megatron's MLP split (with a bias, the row split holds it on part 0: the module
-    holds it replicated and an adapter splits its value)."""
+    """Megatron's MLP split (with a bias, the row split adds it on part 0 only: the
+    module holds it there, and no adapter splits its value)."""
     graph = megatron_mlp(fresh(name), 2)
     run_parity(tmp_path, name, graph, plan_ngpus=2, runtime_ngpus=2)
 

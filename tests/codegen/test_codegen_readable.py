@@ -10,12 +10,13 @@ import re
 from plan_helpers import fresh, megatron_mlp
 
 from nnscaler.codegen import build_program, generate, generate_rank
+from nnscaler.codegen.wrap import unwrap
 
 
 def _source(rank: int = 0, runtime_ngpus: int = 2) -> str:
     program = build_program(megatron_mlp(fresh("gpt"), 2), plan_ngpus=2,
                             runtime_ngpus=runtime_ngpus, end2end=True)
-    return generate_rank(program, rank)
+    return unwrap(generate_rank(program, rank))
 
 
 def test_parameters_are_named_after_module_paths():

@@ -24,6 +24,8 @@ SURFACE = [
     ("trace_strategy", "real"),
     ("use_async_reducer", False),
     ("reducer_bucket_cap_mb", None),
+    ("allow_data_dependent", False),
+    ("check_custom_ops", True),
     ("pas_config", {}),
     ("user_config", {}),
 ]

@@ -1,0 +1,178 @@
+"""Megatron-LM's parallel sizes, read from ``pas_config`` and checked against the compute
+config.
+
+Megatron describes a run by its parallel sizes; nnscaler by a scale unit
+(``plan_ngpus`` devices that hold one copy of the model) replicated
+``runtime_ngpus / plan_ngpus`` times. They map one to one:
+
+- ``plan_ngpus = tensor_model_parallel_size * pipeline_model_parallel_size``;
+- ``data_parallel = runtime_ngpus / plan_ngpus`` (the rest of the devices);
+- ``use_distributed_optimizer`` is ZeRO stage 1 over the data-parallel replicas:
+  ``ComputeConfig.use_zero``.
+
+:func:`megatron_compute_config` builds the :class:`~nnscaler.ComputeConfig` from the
+Megatron sizes; the policy checks that the compute config it receives agrees with
+``pas_config`` and says what to change when it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from nnscaler.policies import PolicyError
+
+__all__ = ["MegatronConfig", "MegatronConfigError", "megatron_compute_config", "read_config"]
+
+_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+         "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+         "sequence_parallel", "data_parallel", "use_distributed_optimizer")
+
+
+class MegatronConfigError(PolicyError):
+    """``pas_config`` of the ``megatron`` policy that cannot work with the compute config."""
+
+
+@attrs.frozen(kw_only=True)
+class MegatronConfig:
+    """The checked Megatron sizes of one run."""
+
+    tp: int
+    pp: int
+    vpp: int | None  # None: derived from num_layers_per_virtual_pipeline_stage
+    layers_per_virtual_stage: int | None
+    sequence_parallel: bool
+    dp: int
+    distributed_optimizer: bool
+
+    @property
+    def plan_ngpus(self) -> int:
+        return self.tp * self.pp
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': pas_config[{key!r}] must be a positive int, got {value!r}"
+        )
+    return value
+
+
+def _bool(cfg: Mapping[str, Any], key: str) -> bool:
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise MegatronConfigError(
+            f"policy 'megatron': pas_config[{key!r}] must be True or False, got {value!r}"
+        )
+    return value
+
+
+def read_config(compute_config: Any) -> MegatronConfig:
+    """The Megatron sizes of ``compute_config.pas_config``, checked against
+    ``plan_ngpus``, ``runtime_ngpus`` and ``use_zero``.
+
+    ``tensor_model_parallel_size`` defaults to ``plan_ngpus / pipeline_model_parallel_size``
+    (so ``{}`` means tensor parallelism over the whole scale unit).
+    """
+    plan = getattr(compute_config, "plan_ngpus", None)
+    if isinstance(plan, bool) or not isinstance(plan, int) or plan < 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': the compute config needs plan_ngpus, a positive int (the "
+            f"devices of one scale unit, tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size); got {plan!r}. Build it with "
+            f"nnscaler_policy_megatron.megatron_compute_config(...)"
+        )
+    runtime = getattr(compute_config, "runtime_ngpus", plan) or plan
+    cfg = getattr(compute_config, "pas_config", None) or {}
+    if not isinstance(cfg, Mapping):
+        raise MegatronConfigError(f"policy 'megatron': pas_config must be a dict, got "
+                                  f"{type(cfg).__name__} {cfg!r}")
+    pp = _int(cfg, "pipeline_model_parallel_size", 1) or 1
+    tp = _int(cfg, "tensor_model_parallel_size", plan // pp if plan % pp == 0 else None)
+    if tp is None or tp * pp != plan:
+        raise MegatronConfigError(
+            f"policy 'megatron': a scale unit holds one copy of the model, so plan_ngpus "
+            f"must be tensor_model_parallel_size * pipeline_model_parallel_size; got "
+            f"plan_ngpus={plan}, tensor_model_parallel_size={tp}, "
+            f"pipeline_model_parallel_size={pp}. Set plan_ngpus={(tp or 1) * pp} or change "
+            f"the sizes (megatron_compute_config(...) computes plan_ngpus for you)"
+        )
+    vpp = _int(cfg, "virtual_pipeline_model_parallel_size", None)
+    per_stage = _int(cfg, "num_layers_per_virtual_pipeline_stage", None)
+    if vpp is not None and per_stage is not None:
+        raise MegatronConfigError(
+            "policy 'megatron': give virtual_pipeline_model_parallel_size or "
+            "num_layers_per_virtual_pipeline_stage, not both (as in Megatron-LM)"
+        )
+    if (vpp or 1) > 1 or per_stage is not None:
+        if pp == 1:
+            raise MegatronConfigError(
+                "policy 'megatron': virtual pipeline stages need "
+                "pipeline_model_parallel_size > 1; got pipeline_model_parallel_size=1"
+            )
+    units = runtime // plan if runtime % plan == 0 else None
+    dp = _int(cfg, "data_parallel", units)
+    if units is None or dp != units:
+        raise MegatronConfigError(
+            f"policy 'megatron': data_parallel is the number of scale units, "
+            f"runtime_ngpus / plan_ngpus = {runtime} / {plan}; pas_config says "
+            f"data_parallel={dp}. Set runtime_ngpus={plan * (dp or 1)}, or leave "
+            f"data_parallel out"
+        )
+    distributed = _bool(cfg, "use_distributed_optimizer")
+    use_zero = bool(getattr(compute_config, "use_zero", False))
+    if distributed != use_zero:
+        raise MegatronConfigError(
+            f"policy 'megatron': use_distributed_optimizer shards the optimizer state over "
+            f"the data-parallel replicas, which is ComputeConfig.use_zero (ZeRO stage 1); "
+            f"pas_config says use_distributed_optimizer={distributed} but use_zero="
+            f"{use_zero}. Set ComputeConfig(use_zero={distributed}) (megatron_compute_config "
+            f"does it)"
+        )
+    sp = _bool(cfg, "sequence_parallel")
+    if sp and tp == 1:
+        raise MegatronConfigError(
+            "policy 'megatron': sequence_parallel splits the ops between transformer blocks "
+            "over the tensor-parallel devices, so it needs tensor_model_parallel_size > 1; "
+            "got tensor_model_parallel_size=1. Drop sequence_parallel or raise the size"
+        )
+    return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
+                          sequence_parallel=sp, dp=dp, distributed_optimizer=distributed)
+
+
+def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
+                            pipeline_model_parallel_size: int = 1,
+                            data_parallel: int = 1,
+                            virtual_pipeline_model_parallel_size: int | None = None,
+                            num_layers_per_virtual_pipeline_stage: int | None = None,
+                            sequence_parallel: bool = False,
+                            use_distributed_optimizer: bool = False,
+                            pas_config: Mapping[str, Any] | None = None,
+                            **compute_config: Any) -> Any:
+    """A :class:`~nnscaler.ComputeConfig` for the ``megatron`` policy from Megatron's
+    sizes: ``plan_ngpus = tp * pp``, ``runtime_ngpus = plan_ngpus * data_parallel``,
+    ``use_zero = use_distributed_optimizer``; ``pas_config`` adds other keys (for a
+    pipeline: ``pipeline_nmicros``, ``pipeline_scheduler``), ``compute_config`` other
+    ``ComputeConfig`` fields (``use_end2end``, ...)."""
+    from nnscaler import ComputeConfig
+
+    sizes: dict[str, Any] = {
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "data_parallel": data_parallel,
+        "sequence_parallel": sequence_parallel,
+        "use_distributed_optimizer": use_distributed_optimizer,
+    }
+    if virtual_pipeline_model_parallel_size is not None:
+        sizes["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
+    if num_layers_per_virtual_pipeline_stage is not None:
+        sizes["num_layers_per_virtual_pipeline_stage"] = num_layers_per_virtual_pipeline_stage
+    plan = tensor_model_parallel_size * pipeline_model_parallel_size
+    return ComputeConfig(plan_ngpus=plan, runtime_ngpus=plan * data_parallel,
+                         use_zero=use_distributed_optimizer,
+                         pas_config={**(pas_config or {}), **sizes}, **compute_config)

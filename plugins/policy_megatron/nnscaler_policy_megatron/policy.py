@@ -1,0 +1,182 @@
+"""The ``megatron`` policy: Megatron-LM's parallelism for any traced transformer.
+
+Steps, in this order (each needs the one before):
+
+1. read the sizes (:mod:`nnscaler_policy_megatron.config`);
+2. pipeline: cut the program into ``pp * vpp`` stages of whole transformer layers
+   (a layer is an element of a module list: the module path up to its first index),
+   the ops before the first layer (embeddings) in the first stage and those after the
+   last (final norm, LM head, loss) in the last; stage ``s`` runs on pipeline rank
+   ``s % pp``, as Megatron's interleaved schedule places virtual stages;
+3. tensor parallelism: the regions of :mod:`nnscaler_policy_megatron.structure` split
+   over the ``tp`` devices of their pipeline rank;
+4. the other ops (norms, dropout, residual adds, the position embedding): with
+   ``sequence_parallel``, split along the sequence where they carry it, so nnscaler
+   moves the activations into a column linear with an all-gather and out of a row
+   linear with a reduce-scatter; otherwise replicated, and a row linear's output is
+   all-reduced.
+
+Data parallelism is the ``runtime_ngpus / plan_ngpus`` scale units, and the distributed
+optimizer is ZeRO stage 1 (``use_zero``), both done by nnscaler's runtime. Parameter
+matmuls the policy could not place in a region stay replicated; they are listed at
+INFO on the logger ``nnscaler_policy_megatron``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from nnscaler.graph import IRGraph
+from nnscaler.ir import Graph, Op
+from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
+from nnscaler_policy_megatron.structure import Region, find_regions, track_sequence
+
+__all__ = ["MegatronPlan", "layer_of", "megatron", "plan"]
+
+logger = logging.getLogger("nnscaler_policy_megatron")
+
+_INTERLEAVED = "1f1b_interleaved"
+
+
+def layer_of(op: Op) -> str | None:
+    """The layer ``op`` belongs to: its module path up to the first list index
+    (``model.layers.3.mlp`` -> ``model.layers.3``), or ``None`` outside any list."""
+    parts = op.module_path.split(".") if op.module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+class MegatronPlan:
+    """What the policy decided, kept for tests, docs and the INFO report: the regions,
+    the ops split along the sequence, the replicated ones, and the stage of each layer."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        self.config = config
+        self.regions: list[Region] = []
+        self.sequence_split: list[Op] = []
+        self.replicated: list[Op] = []
+        self.unplaced: list[Op] = []  # parameter matmuls left whole
+        self.stages: dict[str, int] = {}
+
+
+def _as_graph(graph: Graph) -> IRGraph:
+    if isinstance(graph, IRGraph):
+        return graph
+    return IRGraph.from_graph(graph)
+
+
+def _stage(g: IRGraph, cfg: MegatronConfig, compute_config: Any, plan: MegatronPlan) -> int:
+    """Cut ``g`` into pipeline stages of whole layers; returns the number of stages."""
+    pas = getattr(compute_config, "pas_config", None) or {}
+    ops = g.nodes()
+    layers = list(dict.fromkeys(lay for op in ops if (lay := layer_of(op)) is not None))
+    nlayers = len(layers)
+    if cfg.layers_per_virtual_stage is not None:
+        per_pipeline_rank = nlayers // cfg.pp if nlayers % cfg.pp == 0 else None
+        if per_pipeline_rank is None or per_pipeline_rank % cfg.layers_per_virtual_stage:
+            raise MegatronConfigError(
+                f"policy 'megatron': num_layers_per_virtual_pipeline_stage="
+                f"{cfg.layers_per_virtual_stage} must divide the {nlayers} layers / "
+                f"pipeline_model_parallel_size={cfg.pp}"
+            )
+        vpp = per_pipeline_rank // cfg.layers_per_virtual_stage
+    else:
+        vpp = cfg.vpp or 1
+    nstages = cfg.pp * vpp
+    if nlayers % nstages:
+        raise MegatronConfigError(
+            f"policy 'megatron': the model has {nlayers} layers (found as the elements of "
+            f"its module lists: {', '.join(layers[:4])}{', ...' if nlayers > 4 else ''}), "
+            f"which does not split evenly into pipeline_model_parallel_size * "
+            f"virtual_pipeline_model_parallel_size = {cfg.pp} * {vpp} = {nstages} stages. "
+            f"Use sizes whose product divides {nlayers}"
+        )
+    scheduler = pas.get("pipeline_scheduler", _INTERLEAVED if vpp > 1 else "1f1b")
+    if vpp > 1 and scheduler != _INTERLEAVED:
+        raise MegatronConfigError(
+            f"policy 'megatron': {vpp} virtual stages per pipeline rank run with the "
+            f"interleaved schedule; pas_config['pipeline_scheduler'] is {scheduler!r}. Set "
+            f"pipeline_scheduler='{_INTERLEAVED}' or drop the virtual stages"
+        )
+    if pas.get("pipeline_nmicros") is None:
+        raise MegatronConfigError(
+            f"policy 'megatron': pipeline_model_parallel_size={cfg.pp} runs each step as "
+            f"micro-batches; set pas_config['pipeline_nmicros'] (Megatron's number of "
+            f"micro-batches: global batch / (micro batch * data parallel))"
+        )
+    if getattr(compute_config, "use_end2end", True) is False:
+        raise MegatronConfigError(
+            "policy 'megatron': pipeline stages run over micro-batches in train_step, so "
+            "the module must be end2end; set ComputeConfig(use_end2end=True)"
+        )
+    per = nlayers // nstages
+    plan.stages = {lay: i // per for i, lay in enumerate(layers)}
+    starts = [ops[0]]
+    seen: set[int] = {0}
+    for op in ops:
+        lay = layer_of(op)
+        if lay is None:
+            continue
+        s = plan.stages[lay]
+        if s not in seen:
+            seen.add(s)
+            starts.append(op)
+    g.staging(starts)
+    return nstages
+
+
+def plan(graph: Graph, compute_config: Any) -> tuple[IRGraph, MegatronPlan]:
+    """The ``megatron`` policy, returning what it decided as well (see the module
+    docstring)."""
+    cfg = read_config(compute_config)
+    g = _as_graph(graph)
+    result = MegatronPlan(cfg)
+    if cfg.pp > 1:
+        _stage(g, cfg, compute_config, result)
+    tp = cfg.tp
+    ops = g.nodes()
+    choices: dict[Op, Any] = {}
+    if tp > 1:
+        result.regions = find_regions(g, tp)
+        for region in result.regions:
+            choices.update(region.choices)
+    seq_along: dict[Op, Any] = {}
+    if cfg.sequence_parallel:
+        _, seq_along = track_sequence(g, tp)
+    for op in ops:
+        if op in choices:
+            t = choices[op]
+            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+        elif op in seq_along:
+            t = seq_along[op]
+            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+            result.sequence_split.append(op)
+        else:
+            parts = g.replicate(op, tp)
+            result.replicated.append(op)
+            if tp > 1 and any(x.full.is_leaf and x.full.is_param and x.full.ndim == 2
+                              for x in op.input_tensors()):
+                result.unplaced.append(op)
+        base = ((op.stage or 0) % cfg.pp) * tp
+        for k, part in enumerate(parts):
+            g.assign(part, base + k)
+    for op in result.unplaced:
+        logger.info("megatron: op #%d %s in %s (%s) stays replicated on the %d "
+                    "tensor-parallel devices: no column or row split of it closes a region",
+                    op.oid, op.name, op.module_path or "<root>", op.short_source, tp)
+    for region in result.regions:
+        for full in region.cut:
+            logger.info("megatron: the region of op #%d %s in %s reads %s cut from its "
+                        "whole value (its producer cannot write it split)", region.seed.oid,
+                        region.seed.name, region.seed.module_path, full.name)
+    g.check(cfg.plan_ngpus)
+    return g, result
+
+
+def megatron(graph: Graph, compute_config: Any) -> IRGraph:
+    """Megatron-LM's tensor (+ sequence), pipeline and data parallelism, configured by
+    ``pas_config`` in Megatron's vocabulary (see :mod:`nnscaler_policy_megatron`)."""
+    return plan(graph, compute_config)[0]

@@ -1,0 +1,38 @@
+"""Parity with one process (losses and weights, rtol 1e-5, float32, SGD with momentum)
+for the plans of issue 14 on the project's GPT, Hugging Face Llama and GPT-2: tp=2;
+tp=2 + sequence parallel; pp=2 with and without virtual stages (2 processes); tp=2 x
+pp=2 and tp=2 x dp=2 with the distributed optimizer (4 processes). Each process group
+runs many plans: starting processes and importing torch dominate on a small machine."""
+
+from __future__ import annotations
+
+import pytest
+from _helpers import parity_worker, run_distributed
+
+pytest.importorskip("transformers")
+
+KINDS = ("gpt", "llama", "gpt2")
+TWO = [
+    {"tensor_model_parallel_size": 2},
+    {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    {"pipeline_model_parallel_size": 2},
+    {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+]
+FOUR = [
+    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True},
+]
+
+
+@pytest.mark.slow
+def test_parity_on_two_processes(tmp_path):
+    cases = [(kind, sizes) for kind in KINDS for sizes in TWO]
+    done = run_distributed(parity_worker, 2, cases, str(tmp_path))
+    assert all(len(d) == len(cases) for d in done)
+
+
+@pytest.mark.slow
+def test_parity_on_four_processes(tmp_path):
+    cases = [(kind, sizes) for kind in KINDS for sizes in FOUR]
+    done = run_distributed(parity_worker, 4, cases, str(tmp_path))
+    assert all(len(d) == len(cases) for d in done)

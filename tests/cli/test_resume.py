@@ -1,0 +1,86 @@
+"""A resumed run equals the uninterrupted one: bitwise on the same world size and plan
+(sharded, deduped and merged checkpoints, stopped mid-epoch, data drawing from every
+RNG), and at rtol 1e-5 on another world size or plan (through merging)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from nnscaler.cli.trainer_args import CheckpointConfig, LRSchedulerConfig
+
+from .common import (
+    FixedDataset,
+    NoisyDataset,
+    assert_same_weights,
+    merged_weights,
+    run_trainer,
+    trainer_args,
+)
+
+SCHED = LRSchedulerConfig(type="torch.optim.lr_scheduler.StepLR",
+                          args={"step_size": 2, "gamma": 0.7}, interval="step")
+
+
+def _args(tmp: Path, name: str, steps: int, save_type: str, resume: str | None = None,
+          **kw):
+    return trainer_args(
+        tmp, max_train_steps=steps, dataset=kw.pop("dataset", NoisyDataset),
+        lr_scheduler=SCHED,
+        checkpoint=CheckpointConfig(save_dir=str(tmp / name), save_type=save_type,
+                                    every_n_train_steps=3, resume_from=resume),
+        **kw)
+
+
+def _bitwise(rank, world, tmp):
+    tmp = Path(tmp)
+    out = {"full": run_trainer(_args(tmp, "full", 11, "sharded", world=world))}
+    for save_type in ("sharded", "deduped", "merged"):
+        # stops after step 5 (mid-epoch: 4 steps an epoch at 2 units) and saves it
+        run_trainer(_args(tmp, save_type, 5, save_type, world=world))
+        out[save_type] = run_trainer(_args(tmp, save_type, 11, save_type, "last", world=world))
+    return out
+
+
+def test_resume_is_bitwise_on_the_same_world_size_and_plan(tmp_path):
+    results = run_distributed(_bitwise, 2, str(tmp_path))
+    full = merged_weights([r["full"] for r in results])
+    for save_type in ("sharded", "deduped", "merged"):
+        resumed = [r[save_type] for r in results]
+        assert resumed[0]["step"] == 11
+        # the resumed run logged steps 6..11: the same losses as the full run's
+        assert resumed[0]["losses"] == results[0]["full"]["losses"][5:], save_type
+        assert_same_weights(merged_weights(resumed), full)
+        assert resumed[0]["lr"] == results[0]["full"]["lr"]
+        for r in results:  # optimizer state too, rank by rank
+            a, b = r["full"]["optimizer"]["state"], r[save_type]["optimizer"]["state"]
+            for k in a:
+                for name in a[k]:
+                    assert torch.equal(torch.as_tensor(a[k][name]), torch.as_tensor(b[k][name]))
+
+
+def _stop_at_5(rank, world, tmp, policy, plan):
+    run_trainer(_args(Path(tmp), "ck", 5, "sharded", dataset=FixedDataset, world=world,
+                      plan=plan, policy=policy))
+
+
+def _resume(rank, world, tmp, policy, plan):
+    return run_trainer(_args(Path(tmp), "ck", 11, "sharded", "last", dataset=FixedDataset,
+                             world=world, plan=plan, policy=policy))
+
+
+@pytest.mark.parametrize("target", ["one-process", "tp"])
+def test_resume_on_another_world_size_or_plan(tmp_path, target):
+    full = run_trainer(_args(tmp_path, "full", 11, "sharded", dataset=FixedDataset))
+    run_distributed(_stop_at_5, 2, str(tmp_path), "dp", 1)
+    if target == "one-process":
+        resumed = [run_trainer(_args(tmp_path, "ck", 11, "sharded", "last",
+                                     dataset=FixedDataset))]
+    else:
+        resumed = run_distributed(_resume, 2, str(tmp_path), "tp", 2)
+    assert resumed[0]["step"] == 11
+    assert_same_weights(merged_weights(resumed), merged_weights([full]), exact=False)
+    torch.testing.assert_close(resumed[0]["losses"], full["losses"][5:], rtol=1e-5, atol=0)
