@@ -11,7 +11,8 @@ motivation of the unmerged pytorch/pytorch#179291 and #157193, which destroy the
 interpreter exit; a torch object is not automatically destroyed at exit,
 pytorch/pytorch#109478). Two references survived here:
 
-- nnscaler's own: the group cache (:mod:`nnscaler.runtime.groups`) and each
+- nnscaler's own: the group cache (:mod:`nnscaler.runtime.groups`), the default group
+  whose timeout :mod:`nnscaler.runtime.device` remembers, and each
   :class:`~nnscaler.runtime.Reducer`'s groups (a module object held by a global);
 - torch's: ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler.__init__`` has
   ``process_group=dist.group.WORLD`` as a default argument, evaluated when the module is
@@ -141,6 +142,9 @@ def shutdown() -> None:
             _log.warning("nnscaler: destroying the process groups at exit failed (%s: %s)",
                          type(e).__name__, e)
     clear_groups()
+    from nnscaler.runtime import device
+
+    device._timeout[:] = [None, None]  # it names the default group it belongs to
     for reducer in reducers:
         reducer.release_groups()
     _release_stale_defaults(dist.ProcessGroup)
