@@ -6,6 +6,7 @@ for the contract with code generation and the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import pickle
@@ -203,10 +204,16 @@ class _Generator:
         match = files.match_key(self.config, self.pas_policy, module_fp, inputs_fp)
         if saved is not None and self.reuse in (ReuseType.MATCH, ReuseType.MOO):
             differences = files.diff(saved.get("match"), match)
-            if not differences:
+            changed = [] if differences else files.changed_files(self.outdir, saved)
+            if not differences and not changed:
                 self._warn_stale_weights(saved)
                 return False
-            if self.reuse is ReuseType.MATCH:
+            if changed:  # edited after generation: never reused, never run
+                message = files.changed_message(self.outdir, changed, reuse=self.reuse.value)
+                if self.reuse is ReuseType.MATCH:
+                    raise files.GenFilesChangedError(message)
+                warnings.warn(f"{message}. reuse='moo': regenerating them", stacklevel=3)
+            elif self.reuse is ReuseType.MATCH:
                 listed = "\n  ".join(differences)
                 raise ReuseMismatchError(
                     f"reuse=MATCH: the generated files in {str(self.outdir)!r} were made with "
@@ -266,6 +273,10 @@ class _Generator:
     def _saved_graph(self, saved: Mapping[str, Any], match: Mapping[str, Any]) -> Any:
         path = self.outdir / files.GRAPH_FILE
         if saved.get("graph_key") != files.graph_key(match) or not path.is_file():
+            return None
+        if files.changed_files(self.outdir, saved, [files.GRAPH_FILE]):
+            warnings.warn(f"{files.changed_message(self.outdir, [files.GRAPH_FILE], reuse='graph')}"
+                          f"; tracing again", stacklevel=3)
             return None
         try:
             return files.load_graph(path)
@@ -397,58 +408,84 @@ def parallelize(
     module_class = module_or_module_class if is_class else type(module_or_module_class)
     outdir = files.outdir_for(gen_savedir, module_class, instance_name)
 
-    # -- generation: rank 0 (or this process alone) --
-    generated = False
-    if rank == 0:
-        outcome: Any
-        try:
-            files.check_writable(gen_savedir)
-            gen = _Generator(module_or_module_class, is_class, dummy_forward_args, pas_policy,
-                             policy_fn, compute_config, outdir, reuse, instance_name,
-                             module_fn, module_dtype)
-            outcome = ("ok", gen.run())
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
-            if not distributed:
-                raise
-            outcome = ("error", e)
-    else:
-        outcome = None
-    if distributed:
-        outcome = _share_outcome(outcome)
-        if outcome[0] == "error":
-            exc = outcome[1]
-            if rank != 0 and hasattr(exc, "add_note"):
-                exc.add_note(f"(raised on rank 0, which generates the code; this is rank {rank})")
-            raise exc
-        generated = bool(outcome[1])
-        if generated and strategy is not BroadcastGenFilesStrategy.NONE:
-            broadcast_gen_files(outdir, strategy)
-        dist.barrier()
-    else:
-        generated = bool(outcome[1])
+    # -- generation: rank 0 (or this process alone), holding the instance's lock from
+    # the reuse decision until every rank has loaded (two jobs sharing gen_savedir) --
+    with contextlib.ExitStack() as held:
+        if rank == 0:
+            outcome: Any
+            try:
+                files.check_writable(gen_savedir)
+                held.enter_context(files.instance_lock(outdir))
+                gen = _Generator(module_or_module_class, is_class, dummy_forward_args,
+                                 pas_policy, policy_fn, compute_config, outdir, reuse,
+                                 instance_name, module_fn, module_dtype)
+                generated = gen.run()
+                outcome = ("ok", generated, _code_digests(outdir))
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
+                if not distributed:
+                    raise
+                outcome = ("error", e)
+        else:
+            outcome = None
+        if distributed:
+            outcome = _share_outcome(outcome)
+            if outcome[0] == "error":
+                exc = outcome[1]
+                if rank != 0 and hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised on rank 0, which generates the code; this is rank "
+                                 f"{rank})")
+                raise exc
+            if outcome[1] and strategy is not BroadcastGenFilesStrategy.NONE:
+                broadcast_gen_files(outdir, strategy)
+            dist.barrier()
 
-    if not load_module:
-        return None
-    return _load(outdir, rank, is_class, init_module_params)
+        if not load_module:
+            return None
+        return _load(outdir, rank, is_class, init_module_params, outcome[2])
 
 
-def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool) -> Any:
+def _code_digests(outdir: Path) -> dict[str, str]:
+    """The sha256 of every ``gencode*.py`` as recorded in ``config.json`` (checked
+    against the files by the reuse decision, or just written)."""
+    saved = files.read_config(outdir) or {}
+    return {n: d for n, d in saved.get("sha256", {}).items() if n.startswith("gencode")}
+
+
+def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
+          digests: dict[str, str]) -> Any:
+    """Load this rank's generated module, after checking that its file is the one rank 0
+    generated or checked (sha256); every rank fails together if one cannot load."""
     from nnscaler.codegen import load_generated_class
 
-    path = outdir / files.gencode_name(rank)
-    found = path.is_file()
-    missing = [rank] if not found else []
+    name = files.gencode_name(rank)
+    path = outdir / name
+    status = "ok"
+    if not path.is_file():
+        status = "missing"
+    elif digests.get(name) != files.file_digest(path):
+        status = "changed"
+    everyone = [status]
     if dist.is_available() and dist.is_initialized():  # fail together, not hang in __init__
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, found)
-        missing = [r for r, ok in enumerate(everyone) if not ok]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, status)
+    missing = [r for r, s in enumerate(everyone) if s == "missing"]
+    changed = [r for r, s in enumerate(everyone) if s == "changed"]
     if missing:
-        where = f"{str(path)!r} does not exist" if not found else (
+        where = f"{str(path)!r} does not exist" if status == "missing" else (
             f"their {files.gencode_name(missing[0])} is not in their gen_savedir")
         raise ParallelizeError(
             f"rank(s) {missing} cannot load their generated code: {where}. With "
             f"broadcast_strategy='none' the files rank 0 generated must reach every node (a "
             f"shared gen_savedir, or copy them); or pass broadcast_strategy='all'"
+        )
+    if changed:
+        where = (f"{str(path)!r} (sha256 {files.file_digest(path)[:12]}...)"
+                 if status == "changed" else f"their {files.gencode_name(changed[0])}")
+        raise files.GenFilesChangedError(
+            f"rank(s) {changed} will not run their generated code: {where} is not the file "
+            f"rank 0 generated or checked (sha256 {digests.get(name, '?')[:12]}... in "
+            f"{files.CONFIG_FILE}); it was changed after generation. Fix: regenerate with "
+            f"reuse='override', or make every node's copy the one in rank 0's gen_savedir"
         )
     cls = load_generated_class(outdir, rank)
     if is_class:

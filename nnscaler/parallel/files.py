@@ -5,8 +5,11 @@ Layout (``docs/internals/parallel-runtime.md``)::
     {gen_savedir}/_parallel_modules/{module class, dots as /}/{instance_name or _}/
         gencode{rank}.py   one per runtime rank   (written by nnscaler.codegen)
         fullmodel.pt       the traced module's state   (written by nnscaler.codegen)
-        graph.pkl          the traced graph, for ReuseType.GRAPH
+        graph.pkl          the traced graph, for ReuseType.GRAPH (nnscaler.parallel.graph_pickle)
         config.json        written LAST: a directory without it is incomplete
+    {gen_savedir}/_parallel_modules/{module class, dots as /}/.{instance}.lock
+                           the instance's file lock (:func:`instance_lock`), and beside it
+                           ``.{instance}.lock.owner``: who holds it
 
 ``config.json`` holds a ``match`` section (compute config, policy, module and input
 fingerprints, nnscaler version): ``ReuseType.MATCH`` reuses the directory only when it
@@ -14,6 +17,12 @@ equals the one of the current call (``match.module.parameters`` / ``buffers``, r
 ``[name, shape, dtype, requires_grad | persistent]``, are also read by
 :mod:`nnscaler.checkpoint`: change them together). Generation writes into a temporary sibling directory
 and renames it into place, so a failure never leaves a directory that looks complete.
+
+``config.json`` also records the sha256 of every file (``sha256``): files that differ are
+never reused (:func:`changed_files`), and each rank checks its ``gencode{rank}.py``
+before running it. One process at a time works on an instance directory: it holds the
+instance's file lock (:func:`instance_lock`) from deciding on reuse to the end of loading,
+and cleans up what killed processes left behind (:func:`clean_stale`).
 """
 
 from __future__ import annotations
@@ -21,22 +30,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import io
 import json
+import logging
 import os
-import pickle
 import platform
 import re
 import shutil
+import socket
+import sys
+import time
 import uuid
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 
 from nnscaler.errors import NNScalerError
+from nnscaler.parallel import graph_pickle
 from nnscaler.parallel.config import ComputeConfig, jsonable
 
 CONFIG_FILE = "config.json"
@@ -44,7 +56,14 @@ GRAPH_FILE = "graph.pkl"
 WEIGHTS_FILE = "fullmodel.pt"
 PARALLEL_MODULES_DIR = "_parallel_modules"
 DEFAULT_INSTANCE = "_"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: config.json records the sha256 of every file
+
+#: How long ``parallelize`` waits for another process's lock on an instance directory
+#: before giving up (seconds), and after how long it says that it is waiting.
+LOCK_TIMEOUT_S = 600.0
+LOCK_NOTICE_S = 2.0
+
+_log = logging.getLogger("nnscaler.parallel")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -52,6 +71,15 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 class GenFilesError(NNScalerError, OSError):
     """``gen_savedir`` cannot be used (not writable, not a directory, ...)."""
+
+
+class GenFilesLockedError(GenFilesError, TimeoutError):
+    """Another process held an instance directory's lock for longer than the timeout."""
+
+
+class GenFilesChangedError(NNScalerError, ValueError):
+    """A generated file differs from the one recorded in ``config.json`` (edited after
+    generation): nnscaler does not run or reuse it."""
 
 
 def gencode_name(rank: int) -> str:
@@ -280,7 +308,58 @@ def read_config(outdir: Path) -> dict[str, Any] | None:
     files = data.get("files")
     if not isinstance(files, list) or not all((outdir / f).is_file() for f in files):
         return None
+    if not isinstance(data.get("sha256"), dict):
+        return None
     return data
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, as hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def changed_files(outdir: Path, saved: Mapping[str, Any],
+                  names: Sequence[str] | None = None) -> list[str]:
+    """The files of ``outdir`` (all listed ones, or ``names``) whose sha256 is not the
+    one ``config.json`` recorded when they were generated (or that are missing)."""
+    recorded = saved.get("sha256") or {}
+    out = []
+    for name in (saved.get("files", []) if names is None else names):
+        path = outdir / name
+        if recorded.get(name) is None or not path.is_file() or file_digest(path) != recorded[name]:
+            out.append(name)
+    return out
+
+
+def changed_message(outdir: Path, names: Sequence[str], *, reuse: str) -> str:
+    """The error text for files that changed after generation."""
+    listed = ", ".join(str(outdir / n) for n in names)
+    return (
+        f"reuse={reuse!r}: {listed} differ(s) from what nnscaler generated (the sha256 "
+        f"recorded in {CONFIG_FILE} does not match), so it is not reused and its code is "
+        f"not run. Fix: regenerate with reuse='override' (your change is lost); or, if you "
+        f"edited the file on purpose, record its new hash with "
+        f"nnscaler.parallel.files.accept_edited_files({str(outdir)!r})"
+    )
+
+
+def accept_edited_files(outdir: str | os.PathLike[str]) -> list[str]:
+    """Record the current sha256 of every file listed in ``outdir``'s ``config.json``
+    (for files you edited on purpose); returns the names whose hash changed. Holds the
+    instance's lock while it writes."""
+    outdir = Path(outdir)
+    with instance_lock(outdir):
+        path = outdir / CONFIG_FILE
+        data = json.loads(path.read_text())
+        digests = {n: file_digest(outdir / n) for n in data.get("files", [])}
+        changed = sorted(n for n, d in digests.items() if data.get("sha256", {}).get(n) != d)
+        data["sha256"] = digests
+        _write_json(outdir, data)
+    return changed
 
 
 def write_config(outdir: Path, match: Mapping[str, Any], *, module_class: str,
@@ -293,43 +372,30 @@ def write_config(outdir: Path, match: Mapping[str, Any], *, module_class: str,
         "module_class": module_class,
         "instance_name": instance_name,
         "files": files,
+        "sha256": {name: file_digest(outdir / name) for name in files},
         "versions": {"nnscaler": nnscaler_version(), "torch": torch.__version__,
                      "python": platform.python_version()},
         **dict(extra or {}),
     }
+    _write_json(outdir, data)
+
+
+def _write_json(outdir: Path, data: Mapping[str, Any]) -> None:
     tmp = outdir / f".{CONFIG_FILE}.tmp"
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, outdir / CONFIG_FILE)
 
 
 # -- the traced graph --------------------------------------------------------------------
-def _opdef_by_name(name: str) -> Any:
-    from nnscaler.plugins import get_plugin_manager
-
-    return get_plugin_manager().ops.get(name)
-
-
-class _GraphPickler(pickle.Pickler):
-    """Pickles registered ops by name (their definitions hold local functions)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        from nnscaler.ops.registry import OpDef
-
-        if isinstance(obj, OpDef):
-            return (_opdef_by_name, (obj.name,))
-        return NotImplemented
-
-
 def save_graph(graph: Any, path: Path) -> None:
-    buf = io.BytesIO()
-    _GraphPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(graph)
-    path.write_bytes(buf.getvalue())
+    """Pickle the traced graph (:mod:`nnscaler.parallel.graph_pickle`)."""
+    graph_pickle.save_graph(graph, path)
 
 
 def load_graph(path: Path) -> Any:
-    with open(path, "rb") as f, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch's pytree specs, unpickled
-        return pickle.load(f)  # noqa: S301 - our own file, written by save_graph
+    """Read a graph written by :func:`save_graph` with the restricted unpickler of
+    :mod:`nnscaler.parallel.graph_pickle` (never an unrestricted ``pickle.load``)."""
+    return graph_pickle.load_graph(path)
 
 
 # -- directories -------------------------------------------------------------------------
@@ -341,7 +407,7 @@ def remove_dir(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
         return
-    trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    trash = path.with_name(f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -363,7 +429,124 @@ def staging_dir(outdir: Path) -> Iterator[Path]:
 
 
 def leftover_dirs(outdir: Path) -> list[Path]:
-    """Temporary siblings of ``outdir`` (for tests: a failure must leave none)."""
+    """Temporary siblings of ``outdir`` (for tests: a failure must leave none). The lock
+    file and its owner note are not leftovers."""
     if not outdir.parent.exists():
         return []
-    return sorted(p for p in outdir.parent.iterdir() if p.name.startswith(f".{outdir.name}."))
+    keep = {lock_path(outdir).name, _owner_path(outdir).name}
+    return sorted(p for p in outdir.parent.iterdir()
+                  if p.name.startswith(f".{outdir.name}.") and p.name not in keep)
+
+
+# -- the instance lock -------------------------------------------------------------------
+def lock_path(outdir: Path) -> Path:
+    """The lock file of an instance directory (a sibling: the directory itself is
+    replaced by a rename when it is regenerated)."""
+    return outdir.parent / f".{outdir.name}.lock"
+
+
+def _owner_path(outdir: Path) -> Path:
+    return outdir.parent / f".{outdir.name}.lock.owner"
+
+
+def _owner_note(outdir: Path) -> str:
+    try:
+        owner = json.loads(_owner_path(outdir).read_text())
+        since = time.strftime("%H:%M:%S", time.localtime(float(owner["since"])))
+        return (f"process {owner['pid']} on host {owner['host']} ({owner['argv0']}), "
+                f"holding it since {since}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+@contextlib.contextmanager
+def instance_lock(outdir: Path, *, timeout: float | None = None) -> Iterator[None]:
+    """Hold the file lock of the instance directory ``outdir`` (a ``filelock.FileLock``
+    on :func:`lock_path`), so that two jobs sharing one ``gen_savedir`` never generate,
+    delete or load each other's files at the same time. Waits up to ``timeout`` seconds
+    (default :data:`LOCK_TIMEOUT_S`), saying after :data:`LOCK_NOTICE_S` seconds that it
+    waits and for whom; then raises :class:`GenFilesLockedError`. On entry, removes what
+    killed processes left behind (:func:`clean_stale`).
+
+    The lock is an ``flock``: released by the kernel when its holder dies, so a killed
+    job never blocks the next one. On a network file system it works where the file
+    system supports ``flock`` (NFSv4 does).
+    """
+    limit = LOCK_TIMEOUT_S if timeout is None else float(timeout)
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(lock_path(outdir)))
+    start = time.monotonic()
+    try:
+        lock.acquire(timeout=min(LOCK_NOTICE_S, limit))
+    except filelock.Timeout:
+        _log.warning("parallelize: waiting for the lock on %s, held by %s (another job "
+                     "using the same gen_savedir and instance); waiting up to %.0f s",
+                     outdir, _owner_note(outdir), limit)
+        try:
+            lock.acquire(timeout=max(0.0, limit - (time.monotonic() - start)))
+        except filelock.Timeout:
+            raise GenFilesLockedError(
+                f"the generated files in {str(outdir)!r} are locked by "
+                f"{_owner_note(outdir)}; this process waited {limit:.0f} s for it (jobs "
+                f"that share a gen_savedir and instance_name take turns). Fix: wait for "
+                f"that job to finish, or give this job its own instance_name= or "
+                f"gen_savedir=; the lock file is {str(lock_path(outdir))!r}"
+            ) from None
+    try:
+        _owner_path(outdir).write_text(json.dumps({
+            "pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+            "argv0": os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python",
+        }))
+        clean_stale(outdir)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            _owner_path(outdir).unlink()
+        lock.release()
+
+
+_STALE = re.compile(r"\.(?:tmp|old)-(\d+)-[0-9a-f]+")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process on this host (True when it cannot be told)."""
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale(outdir: Path) -> list[Path]:
+    """Remove what killed processes left beside and inside ``outdir``: staging
+    directories (``.{name}.tmp-{pid}-*``) and renamed-aside old directories
+    (``.{name}.old-{pid}-*``) whose process is dead, and half-written ``.*.tmp`` files in
+    ``outdir``. Call it holding :func:`instance_lock` (no live process of a job that
+    takes the lock is writing them then). Returns what was removed."""
+    removed: list[Path] = []
+    if outdir.parent.is_dir():
+        prefix = f".{outdir.name}"
+        for p in outdir.parent.iterdir():
+            if not p.name.startswith(prefix):
+                continue
+            m = _STALE.fullmatch(p.name[len(prefix):])
+            if m is None:
+                continue
+            pid = int(m.group(1))
+            if pid == os.getpid() or _pid_alive(pid):
+                continue  # in use (or a process that cannot be told dead)
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    if outdir.is_dir():
+        for p in outdir.iterdir():
+            if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file():
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                    removed.append(p)
+    for p in removed:
+        _log.info("parallelize: removed %s, left by a process that was killed", p)
+    return removed

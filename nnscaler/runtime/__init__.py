@@ -2,8 +2,9 @@
 
 Device selection and start-up (:mod:`~nnscaler.runtime.device`), the process-group cache
 (:mod:`~nnscaler.runtime.groups`), autograd-aware collectives
-(:mod:`~nnscaler.runtime.collectives`) and the adapter runner
-(:mod:`~nnscaler.runtime.adapters`). See ``docs/runtime.md``.
+(:mod:`~nnscaler.runtime.collectives`), the adapter runner
+(:mod:`~nnscaler.runtime.adapters`) and a clean exit (:mod:`~nnscaler.runtime.teardown`,
+run at interpreter exit). See ``docs/runtime.md``.
 
 Generated code (``gencode{rank}.py``) imports only from here: ``ParallelModule``,
 ``Adapter`` and ``boundary``; for pipelines ``Piece``, ``Pipeline``, ``parse_schedule``
@@ -41,6 +42,7 @@ from nnscaler.runtime.groups import (
     get_group,
 )
 from nnscaler.runtime.reducer import Bucket, Reducer, ReducerHook
+from nnscaler.runtime.teardown import shutdown
 from nnscaler.runtime.zero import ZeroGroups, zero_groups
 
 # isort: split

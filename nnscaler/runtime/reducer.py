@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.runtime.teardown import track_reducer
 from nnscaler.runtime.zero import new_group, padded_numel, zero_groups
 
 __all__ = ["Bucket", "Reducer", "ReducerHook"]
@@ -208,6 +209,7 @@ class Reducer:
             for pi, p in enumerate(b.params):
                 self._where[id(p)] = (bi, pi)
         self._handles = []
+        track_reducer(self)  # finished and released at interpreter exit
         if async_op:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -380,6 +382,26 @@ class Reducer:
             for bucket in self.buckets:
                 if bucket.shard_param is not None and bucket.param_buffer is not None:
                     bucket.shard_param.copy_(bucket.shard_slice(bucket.param_buffer))
+
+    def wait_pending(self, timeout: Any = None) -> None:
+        """Wait for the reductions launched by gradient hooks and not synced yet (async
+        mode), e.g. at interpreter exit (:mod:`nnscaler.runtime.teardown`); ``timeout`` a
+        ``datetime.timedelta`` or None (the group's timeout). The buckets stay launched:
+        :meth:`sync_grads` finishes them."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                if timeout is None:
+                    bucket.work.wait()
+                else:
+                    bucket.work.wait(timeout)
+
+    def release_groups(self) -> None:
+        """Drop this reducer's process groups (at the end of a job, after they were
+        destroyed: a kept reference would keep their threads alive to the interpreter's
+        exit). The reducer cannot communicate afterwards."""
+        for bucket in self.buckets:
+            bucket.work = None
+        self._group = self._zero_group = self._cross_group = None
 
     def remove_hooks(self) -> None:
         """Detach the gradient-ready hooks (async mode)."""

@@ -48,9 +48,74 @@ def test_a_killed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     assert leftovers and all(n.startswith(".ckpt.pt.") for n in leftovers)  # the partial file
     state = ck.load(path)
     assert state["step"] == 1 and torch.equal(state["w"], torch.zeros(1000))
-    # the next save succeeds over it
+    # the next save succeeds over it and removes the killed save's temporary file
     ck.save({"step": 3, "w": torch.ones(2)}, path)
     assert ck.load(path)["step"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def _slow_save(path: str, started, release) -> None:
+    """A save that stops half way until ``release`` is set (a live writer)."""
+    real_save = torch.save
+
+    def half_then_wait(obj, f):
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        started.set()
+        release.wait(60)
+        f.write(data[len(data) // 2:])
+
+    ck_files.torch.save = half_then_wait  # type: ignore[attr-defined]
+    ck.save({"step": 5, "w": torch.ones(1000)}, path)
+
+
+def test_cleaning_never_touches_a_live_writers_temporary_file(tmp_path):
+    """clean_stale removes temporary files and directories of dead processes only: a
+    save in progress (its lock held, its process alive) keeps its file and completes."""
+    ctx = mp.get_context("fork")
+    started, release = ctx.Event(), ctx.Event()
+    path = tmp_path / "ckpt.pt"
+    child = ctx.Process(target=_slow_save, args=(str(path), started, release))
+    child.start()
+    try:
+        assert started.wait(60)
+        (live,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.pt.")]
+        dead = tmp_path / ".ckpt.pt.999999999-0123abcd.tmp"  # no such process
+        dead.write_bytes(b"partial")
+        stale_dir = tmp_path / ".ckpt-10.tmp-999999999-0123abcd"
+        stale_dir.mkdir()
+        (stale_dir / "rank0.pt").write_bytes(b"partial")
+        assert sorted(ck_files.clean_stale(tmp_path)) == sorted([dead, stale_dir])
+        assert live.exists()  # the writer is alive and holds its lock
+    finally:
+        release.set()
+        child.join(60)
+    assert child.exitcode == 0
+    assert ck.load(path)["step"] == 5
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_temporary_dir_appears_complete_or_not_at_all(tmp_path):
+    target = tmp_path / "ckpt-0001"
+    with pytest.raises(RuntimeError, match="boom"), ck_files.temporary_dir(target) as tmp:
+        ck.save({"step": 1}, tmp / "rank0.pt")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    with ck_files.temporary_dir(target) as tmp:
+        ck.save({"step": 1}, tmp / "rank0.pt")
+        assert not target.exists()
+        assert ck_files.clean_stale(tmp_path) == []  # ours, in use
+    assert sorted(p.name for p in target.iterdir()) == ["rank0.pt"]
+    with ck_files.temporary_dir(target) as tmp:
+        ck.save({"step": 2}, tmp / "rank0.pt")
+    assert ck.load(target / "rank0.pt") == {"step": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0001"]
+    with pytest.raises(ck.CheckpointError, match="already exists"), \
+            ck_files.temporary_dir(target, replace=False):
+        pass
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):

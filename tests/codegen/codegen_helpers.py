@@ -6,6 +6,11 @@ batch; the loss of each unit equals the module's loss on that batch; the gradien
 the pieces, summed over the ranks that hold them, equal the module's gradient of the
 summed losses; after ``sync_grad`` every holder has that gradient; Adam steps over
 ``parameters_for_optimizer()`` keep the pieces equal to the module's parameters.
+
+Adam runs with ``eps=ADAM_EPS`` (see tests/parity_utils.py: with the default eps the
+parameters after Adam depend on the summation order of gradients that are zero in exact
+arithmetic), and every run is compared with two references that sum in different orders:
+a comparison that passed against one order only would depend on the machine.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "graph"))
 
 from dist_utils import run_distributed  # noqa: E402
-from parity_utils import ATOL, RTOL, check_parity  # noqa: E402, F401  (re-exported to tests)
+from parity_utils import ADAM_EPS, ATOL, RTOL, check_parity  # noqa: E402, F401  (re-exported)
 from plan_helpers import case  # noqa: E402
 
 from nnscaler.codegen import emit_files, load_generated_class  # noqa: E402
@@ -29,7 +34,7 @@ from nnscaler.models import gpt as gpt_module  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
 
 LR = 1e-2
-NOISE, NOISE_ATOL = 1e-6, 1e-3 * LR
+ADAM = {"lr": LR, "eps": ADAM_EPS}
 
 
 def batches(name: str, nunits: int) -> list[dict[str, torch.Tensor]]:
@@ -70,7 +75,7 @@ def _worker(rank: int, world: int, outdir: str, data: list, plan_ngpus: int, mod
     raw = _grads(m)
     m.sync_grad()
     synced = _grads(m)
-    opt = torch.optim.Adam(m.parameters_for_optimizer(), lr=LR)
+    opt = torch.optim.Adam(m.parameters_for_optimizer(), **ADAM)
     losses = [loss.item()]
     for k in range(steps):
         if k:
@@ -83,16 +88,22 @@ def _worker(rank: int, world: int, outdir: str, data: list, plan_ngpus: int, mod
             "params": params}
 
 
-def reference(name: str, data: list, steps: int) -> dict[str, Any]:
-    """The single-process run: the summed loss of all units' batches."""
+def reference(name: str, data: list, steps: int, *, reverse: bool = False) -> dict[str, Any]:
+    """The single-process run: the summed loss of all units' batches (one backward of
+    the sum; with ``reverse``, one backward per unit in reverse order, which sums every
+    gradient in another order)."""
     module = copy.deepcopy(case(name).module)
-    opt = torch.optim.Adam(module.parameters(), lr=LR)
+    opt = torch.optim.Adam(module.parameters(), **ADAM)
     losses, grads = [], {}
     for k in range(max(steps, 1)):
         opt.zero_grad(set_to_none=True)
         per_unit = [module(b) for b in data]
         losses.append([x.item() for x in per_unit])
-        torch.stack(per_unit).sum().backward()
+        if reverse:
+            for x in reversed(per_unit):
+                x.backward()
+        else:
+            torch.stack(per_unit).sum().backward()
         if k == 0:
             grads = {n: p.grad.clone() for n, p in module.named_parameters()}
         if steps:
@@ -109,8 +120,9 @@ def run_parity(tmp: Path, name: str, graph: Any, *, plan_ngpus: int, runtime_ngp
     results = run_distributed(_worker, runtime_ngpus, str(outdir), data, plan_ngpus, mode,
                               steps)
     zero = bool((compute_config or {}).get("use_zero"))
-    check_parity(results, reference(name, data, steps), plan_ngpus, steps=bool(steps),
-                 zero=zero, noise=(NOISE, NOISE_ATOL))
+    for reverse in (False, True):
+        check_parity(results, reference(name, data, steps, reverse=reverse), plan_ngpus,
+                     steps=bool(steps), zero=zero)
     return results
 
 
