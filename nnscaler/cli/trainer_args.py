@@ -134,6 +134,43 @@ def _is_callable_ref(value: Any) -> bool:
     return isinstance(value, str) or callable(value)
 
 
+def _convert_union(value: Any, options: tuple, key: str) -> Any:
+    """``value`` converted to the first option it fits (config classes tried first);
+    the error of the option that best explains a failure."""
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} is required and cannot be None (null).", key)
+    errors = []
+    # config classes first, so a mapping becomes the class it fits
+    for option in sorted(options, key=lambda o: not dataclasses.is_dataclass(o)):
+        if option is type(None):
+            continue
+        try:
+            return _convert(value, option, key)
+        except ConfigError as e:
+            errors.append(e)
+    if isinstance(value, Mapping) and errors:
+        # the config class whose fields the mapping names best explains the failure
+        classes = [o for o in options if dataclasses.is_dataclass(o)]
+
+        def fit(i: int) -> int:
+            names = [f.name for f in dataclasses.fields(classes[i])]
+            return sum(k in names or bool(difflib.get_close_matches(str(k), names, 1, 0.6))
+                       for k in value)
+
+        if classes and len(classes) == len(errors):
+            raise errors[max(range(len(classes)), key=fit)]
+        raise errors[0]
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConfigError(
+        f"{key} must be {' or '.join(_type_name(o) for o in options)}, got "
+        f"{type(value).__name__} {value!r}.",
+        key,
+    )
+
+
 def _convert(value: Any, hint: Any, key: str) -> Any:
     """``value`` checked against the type ``hint`` (and converted: a mapping into a
     config class, an int into a float); raises :class:`ConfigError` naming ``key``."""
@@ -141,39 +178,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if hint is Any:
         return value
     if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ConfigError(f"{key} is required and cannot be None (null).", key)
-        errors = []
-        # config classes first, so a mapping becomes the class it fits
-        for option in sorted(options, key=lambda o: not dataclasses.is_dataclass(o)):
-            if option is type(None):
-                continue
-            try:
-                return _convert(value, option, key)
-            except ConfigError as e:
-                errors.append(e)
-        if isinstance(value, Mapping) and errors:
-            # the config class whose fields the mapping names best explains the failure
-            classes = [o for o in options if dataclasses.is_dataclass(o)]
-
-            def fit(i: int) -> int:
-                names = [f.name for f in dataclasses.fields(classes[i])]
-                return sum(k in names or bool(difflib.get_close_matches(str(k), names, 1, 0.6))
-                           for k in value)
-
-            if classes and len(classes) == len(errors):
-                raise errors[max(range(len(classes)), key=fit)]
-            raise errors[0]
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConfigError(
-            f"{key} must be {' or '.join(_type_name(o) for o in options)}, got "
-            f"{type(value).__name__} {value!r}.",
-            key,
-        )
+        return _convert_union(value, typing.get_args(hint), key)
     if hint is TypeRef or (origin is None and hint is Callable) or origin is Callable:
         if not _is_callable_ref(value):
             raise ConfigError(

@@ -333,6 +333,46 @@ class Tracer:
 
         filename, line, source = self._where(func)
         name = opdef.name if opdef is not None else _func_name(func)
+        opdef, anno, ir_inputs, ir_kwargs, keywords = self._annotate(
+            func, opdef, name, args, kwargs, inputs, outs, (filename, line, source))
+        mutations, ir_outputs = self._ir_results(mutated, out_flat)
+
+        path, cls = self._stack[-1] if self._stack else self._root
+        self.graph.add_op(
+            Op(
+                oid=self.graph.next_op_id(),
+                name=name,
+                fn=func,
+                opdef=opdef,
+                anno=anno,
+                inputs=tuple(ir_inputs),
+                kwargs=dict(ir_kwargs),
+                keywords=keywords,
+                outputs=tuple(ir_outputs),
+                output_spec=out_spec,
+                mutations=tuple(mutations),
+                module_path=path,
+                module_class=cls,
+                source_file=filename,
+                source_line=line,
+                code=code_line(filename, line),
+                no_grad=not torch.is_grad_enabled(),
+                autocast=_autocast_state(),
+            )
+        )
+        if _data_sized(func, args, kwargs):
+            sizes = ", ".join(str(list(o.shape)) for o in outs)
+            sizes = f"({sizes})" if len(outs) > 1 else sizes
+            self.graph.data_dependent.append(f"{name} -> size {sizes} at {source}")
+        return out
+
+    def _annotate(self, func: Callable[..., Any], opdef: OpDef | None, name: str, args: tuple,
+                  kwargs: dict[str, Any], inputs: list[torch.Tensor], outs: list[torch.Tensor],
+                  where: tuple[str, int, str]) -> tuple:
+        """Bind the call to its op's annotation: (opdef, bound anno, IR inputs, IR kwargs,
+        keyword names). A call whose annotation does not fit becomes an opaque op (a user's
+        op is an error instead); an op without annotation is opaque, with a warning."""
+        filename, line, source = where
         anno, ir_inputs, ir_kwargs = None, None, None
         keywords: frozenset[str] = frozenset()
         annotated = opdef is not None
@@ -371,7 +411,12 @@ class Tracer:
                     filename, line,
                 )
             ir_inputs, ir_kwargs = self._to_ir(args), self._to_ir(kwargs)
+        return opdef, anno, ir_inputs, ir_kwargs, keywords
 
+    def _ir_results(self, mutated: dict[int, torch.Tensor],
+                    out_flat: list[Any]) -> tuple[list, list]:
+        """New versions of the tensors the call wrote in place (with their views), and the IR
+        of its outputs (an output that is a written input is that input's new version)."""
         mutations = []
         after_of: dict[int, SubTensor] = {}
         for t in self._with_views(mutated):
@@ -395,35 +440,7 @@ class Tracer:
                     shape=tuple(o.shape), dtype=o.dtype, requires_grad=o.requires_grad
                 )
                 ir_outputs.append(self._track(o, full.whole()))
-
-        path, cls = self._stack[-1] if self._stack else self._root
-        self.graph.add_op(
-            Op(
-                oid=self.graph.next_op_id(),
-                name=name,
-                fn=func,
-                opdef=opdef,
-                anno=anno,
-                inputs=tuple(ir_inputs),
-                kwargs=dict(ir_kwargs),
-                keywords=keywords,
-                outputs=tuple(ir_outputs),
-                output_spec=out_spec,
-                mutations=tuple(mutations),
-                module_path=path,
-                module_class=cls,
-                source_file=filename,
-                source_line=line,
-                code=code_line(filename, line),
-                no_grad=not torch.is_grad_enabled(),
-                autocast=_autocast_state(),
-            )
-        )
-        if _data_sized(func, args, kwargs):
-            sizes = ", ".join(str(list(o.shape)) for o in outs)
-            sizes = f"({sizes})" if len(outs) > 1 else sizes
-            self.graph.data_dependent.append(f"{name} -> size {sizes} at {source}")
-        return out
+        return mutations, ir_outputs
 
     def _with_views(self, mutated: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """The mutated tensors and every tracked tensor sharing their storage."""
