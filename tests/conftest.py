@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_op_check_cache(tmp_path_factory):
-    """Passed custom-op checks are remembered on disk: keep the suite's out of ~/.cache."""
+    """Passed custom-op checks and autodist profiles are kept on disk: keep the suite's out
+    of ~/.cache."""
     os.environ.setdefault("NNSCALER_CACHE_DIR", str(tmp_path_factory.mktemp("nnscaler-cache")))
     yield
 

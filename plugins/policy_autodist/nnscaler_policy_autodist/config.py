@@ -60,9 +60,13 @@ def _bad(key: str, value: Any, want: str) -> AutoDistError:
 
 
 def default_profile_dir() -> Path:
-    """``$NNSCALER_AUTODIST_CACHE``, else ``~/.cache/nnscaler/autodist``."""
+    """``$NNSCALER_AUTODIST_CACHE``, else ``$NNSCALER_CACHE_DIR/autodist`` (the folder
+    nnscaler's other caches share), else ``~/.cache/nnscaler/autodist``."""
     env = os.environ.get("NNSCALER_AUTODIST_CACHE", "").strip()
-    return Path(env) if env else Path.home() / ".cache" / "nnscaler" / "autodist"
+    if env:
+        return Path(env)
+    shared = os.environ.get("NNSCALER_CACHE_DIR", "").strip()
+    return Path(shared) / "autodist" if shared else Path.home() / ".cache" / "nnscaler" / "autodist"
 
 
 @attrs.frozen(kw_only=True)
