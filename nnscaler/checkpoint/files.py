@@ -35,7 +35,7 @@ try:
 except ImportError:  # Windows: an open file cannot be deleted there, which is the lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["clean_stale", "load", "save", "temporary_dir"]
+__all__ = ["clean_stale", "fsync_dir", "load", "save", "temporary_dir"]
 
 _log = logging.getLogger("nnscaler.checkpoint")
 _TMP_FILE = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{8}\.tmp")
@@ -43,7 +43,8 @@ _TMP_DIR = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
 _DIR_LOCK = ".lock"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk; a no-op where unsupported."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # e.g. Windows: directories cannot be opened
@@ -175,7 +176,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
         raise
     finally:
         os.close(fd)  # releases the lock
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 @contextlib.contextmanager
@@ -211,7 +212,7 @@ def temporary_dir(target: str | os.PathLike[str], *, replace: bool = True) -> It
                 shutil.rmtree(aside, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

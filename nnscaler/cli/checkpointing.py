@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nnscaler.checkpoint.files import fsync_dir
 from nnscaler.errors import NNScalerError
 
 __all__ = [
@@ -127,7 +128,7 @@ def publish(save_dir: Path, name: str, meta: dict[str, Any]) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     return final
 
 
@@ -156,7 +157,7 @@ def point(save_dir: Path, alias: str, target: Path, *, symlink: bool) -> None:
             os.replace(link, old)
         os.replace(tmp, link)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
 
 
 def rotate(save_dir: Path, keep: int | None) -> list[Path]:
@@ -177,19 +178,6 @@ def rotate(save_dir: Path, keep: int | None) -> list[Path]:
         shutil.rmtree(p)
         removed.append(p)
     return removed
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- random number generators ----------------------------------------------------------
