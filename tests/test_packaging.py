@@ -107,15 +107,16 @@ def test_a_fresh_environment_with_pip_install_runs_the_main_job(tmp_path):
                              "--format=freeze", "--disable-pip-version-check"],
                             capture_output=True, text=True, check=True).stdout
     names = {line.split("==")[0].lower() for line in listed.split()}
-    assert {"nnscaler", "numpy", "pluggy", "attrs", "pyyaml", "tqdm"} <= names
+    assert {"nnscaler", "numpy", "pluggy", "attrs", "filelock", "pyyaml", "tqdm"} <= names
     assert "pytest" not in names and "pulp" not in names
 
 
 def test_the_kernel_declares_what_it_imports_and_nothing_else():
     requires = [Requirement(r) for r in metadata.requires("nnscaler") or ()]
-    # the Trainer (nnscaler.cli) reads YAML configs and shows a tqdm progress bar
+    # the Trainer (nnscaler.cli) reads YAML configs and shows a tqdm progress bar;
+    # gen_savedir and checkpoint temporary files are locked with filelock
     assert {r.name for r in requires if r.marker is None} == {
-        "torch", "numpy", "pluggy", "attrs", "pyyaml", "tqdm"}
+        "torch", "numpy", "pluggy", "attrs", "filelock", "pyyaml", "tqdm"}
     assert {"test", "docs"} <= set(metadata.metadata("nnscaler").get_all("Provides-Extra"))
 
 
