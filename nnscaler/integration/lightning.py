@@ -222,7 +222,11 @@ class NnScalerStrategy(DDPStrategy):
         self.parallel_module = pm
 
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None  # Lightning sets it before setup
+        if self.accelerator is None:  # Lightning's Trainer sets it before calling setup
+            raise LightningIntegrationError(
+                "NnScalerStrategy.setup was called before Lightning gave the strategy an "
+                "accelerator; pass the strategy to lightning.Trainer(strategy=...) rather than "
+                "calling setup yourself")
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._parallelize()

@@ -238,8 +238,9 @@ class CostModel:
         options: list[tuple[Option, ...] | None] = [None] * len(ops)
         produced = set(producer)
         for i, op in enumerate(ops):
-            if rep[i] != i and self._same_weights_role(op, ops[rep[i]], first_reader):
-                options[i] = self._retarget(options[rep[i]], op, k)
+            template = options[rep[i]] if rep[i] != i else None  # solved first: earlier
+            if template is not None and self._same_weights_role(op, ops[rep[i]], first_reader):
+                options[i] = self._retarget(template, op, k)
                 continue
             options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
                                for t in self.transforms(op, k))
@@ -290,9 +291,8 @@ class CostModel:
         b = [first_reader.get(x.full) is tpl for x in tpl.input_tensors() if _is_weight(x.full)]
         return a == b and len(op.input_tensors()) == len(tpl.input_tensors())
 
-    def _retarget(self, opts: tuple[Option, ...] | None, op: Op, k: int) -> tuple[Option, ...]:
+    def _retarget(self, opts: tuple[Option, ...], op: Op, k: int) -> tuple[Option, ...]:
         """The template's options with this instance's tensors (same costs)."""
-        assert opts is not None
         ins = [x.full for x in op.input_tensors()]
         outs = [y.full for y in tensors_in(op.outputs)]
         muts = [a.full for _, a in op.mutations if a.full not in set(outs)]
