@@ -38,6 +38,7 @@ __all__ = [
     "adapters",
     "default_bytes_per_mac",
     "layout_of",
+    "op_layouts",
     "op_work",
     "part_piece",
     "redundant_bytes",
@@ -305,3 +306,37 @@ def transform_pieces(op: Op, t: Transform | None, num: int, part: int) -> list[S
             out.extend(tensors_in(x))
     out.extend(tensors_in(dict(op.kwargs)))
     return out
+
+
+#: What a split op reads: (tensor, layout it needs, whether a gradient flows back).
+Reads = tuple[tuple[FullTensor, Layout | None, bool], ...]
+#: What a split op writes: (tensor, layout it leaves), outputs then in-place writes.
+Writes = tuple[tuple[FullTensor, Layout | None], ...]
+
+
+def op_layouts(op: Op, t: Transform | None, num: int) -> tuple[Reads, Writes]:
+    """The layouts ``op`` reads and writes when split by ``t`` in ``num`` parts (``None``:
+    replicated): every input tensor with the layout its parts need, every output and every
+    tensor written in place (a new version of an input) with the layout its parts leave."""
+    parts = [transform_pieces(op, t, num, p) for p in range(num)]
+    reads = tuple(
+        (x.full, layout_of((p, parts[p][j]) for p in range(num)),
+         x.full.requires_grad and not op.no_grad)
+        for j, x in enumerate(op.input_tensors())
+    )
+    outs = list(tensors_in(op.outputs))
+    placements = [None] * len(outs) if t is None else list(t.outputs)
+    writes = [(x.full, layout_of((p, part_piece(x, lay, num, p)) for p in range(num)))
+              for x, lay in zip(outs, placements)]
+    written = {w[0] for w in writes}
+    positions = {x: k for k, x in enumerate(op.inputs) if isinstance(x, SubTensor)}
+    for before, after in op.mutations:
+        if after.full in written:
+            continue
+        k = positions.get(before)
+        lay = None if t is None or k is None else t.inputs[k]
+        pieces = [(p, part_piece(before, lay, num, p)) for p in range(num)]
+        writes.append((after.full, layout_of(
+            (p, SubTensor(full=after.full, indmap=b.indmap, valmap=b.valmap))
+            for p, b in pieces)))
+    return reads, tuple(writes)

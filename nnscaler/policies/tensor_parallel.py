@@ -53,7 +53,7 @@ import attrs
 
 from nnscaler.anno import Transform
 from nnscaler.graph import IRGraph, PartitionError
-from nnscaler.ir import FullTensor, Graph, Op, SubTensor, TensorKind, tensors_in
+from nnscaler.ir import FullTensor, Graph, Op, TensorKind
 from nnscaler.layout import Layout
 from nnscaler.policies.common import (
     PolicyError,
@@ -66,11 +66,10 @@ from nnscaler.policies.costs import (
     adapter_cost,
     default_bytes_per_mac,
     layout_of,
+    op_layouts,
     op_work,
-    part_piece,
     redundant_bytes,
     replicated,
-    transform_pieces,
 )
 
 __all__ = ["TPOption", "tp"]
@@ -126,29 +125,8 @@ class _Greedy:
         return self._options[op]
 
     def _option(self, op: Op, t: Transform | None) -> TPOption:
-        n = self.n
-        parts = [transform_pieces(op, t, n, p) for p in range(n)]
-        reads = []
-        for j, x in enumerate(op.input_tensors()):
-            need = layout_of((p, parts[p][j]) for p in range(n))
-            reads.append((x.full, need, x.full.requires_grad and not op.no_grad))
-        outs = list(tensors_in(op.outputs))
-        layouts = [None] * len(outs) if t is None else list(t.outputs)
-        writes: list[tuple[FullTensor, Layout | None]] = []
-        for x, lay in zip(outs, layouts):
-            writes.append((x.full, layout_of((p, part_piece(x, lay, n, p)) for p in range(n))))
-        written = {w[0] for w in writes}
-        positions = {x: k for k, x in enumerate(op.inputs) if isinstance(x, SubTensor)}
-        for before, after in op.mutations:
-            if after.full in written:
-                continue
-            k = positions.get(before)
-            lay = None if t is None or k is None else t.inputs[k]
-            pieces = [(p, part_piece(before, lay, n, p)) for p in range(n)]
-            writes.append((after.full, layout_of(
-                (p, SubTensor(full=after.full, indmap=b.indmap, valmap=b.valmap))
-                for p, b in pieces)))
-        return TPOption(t, tuple(reads), tuple(writes))
+        reads, writes = op_layouts(op, t, self.n)
+        return TPOption(t, reads, writes)
 
     # -- costs --------------------------------------------------------------------------
     def compute(self, op: Op, option: TPOption) -> float:

@@ -37,9 +37,9 @@ import attrs
 
 from nnscaler.anno import Transform
 from nnscaler.graph.blocks import repeated_blocks
-from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
+from nnscaler.ir import FullTensor, Op, TensorKind, tensors_in
 from nnscaler.layout import Layout, plan
-from nnscaler.policies.costs import layout_of, part_piece, replicated, transform_pieces
+from nnscaler.policies.costs import op_layouts, replicated
 from nnscaler_policy_autodist.comm import CommModel
 from nnscaler_policy_autodist.profile import ComputeProfiler
 
@@ -129,30 +129,6 @@ class CostModel:
             out.append(None)
         return out
 
-    def _layouts(self, op: Op, t: Transform | None, k: int
-                 ) -> tuple[tuple[tuple[FullTensor, Layout | None, bool], ...],
-                            tuple[tuple[FullTensor, Layout | None], ...]]:
-        parts = [transform_pieces(op, t, k, p) for p in range(k)]
-        reads = []
-        for j, x in enumerate(op.input_tensors()):
-            need = layout_of((p, parts[p][j]) for p in range(k))
-            reads.append((x.full, need, x.full.requires_grad and not op.no_grad))
-        outs = list(tensors_in(op.outputs))
-        lays = [None] * len(outs) if t is None else list(t.outputs)
-        writes = [(x.full, layout_of((p, part_piece(x, lay, k, p)) for p in range(k)))
-                  for x, lay in zip(outs, lays)]
-        written = {w[0] for w in writes}
-        positions = {x: i for i, x in enumerate(op.inputs) if isinstance(x, SubTensor)}
-        for before, after in op.mutations:
-            if after.full in written:
-                continue
-            i = positions.get(before)
-            lay = None if t is None or i is None else t.inputs[i]
-            pieces = [(p, part_piece(before, lay, k, p)) for p in range(k)]
-            writes.append((after.full, layout_of(
-                (p, SubTensor(full=after.full, indmap=b.indmap, valmap=b.valmap))
-                for p, b in pieces)))
-        return tuple(reads), tuple(writes)
 
     def move(self, full: FullTensor, src: Layout | None, dst: Layout | None,
              grad: bool) -> float:
@@ -169,7 +145,7 @@ class CostModel:
 
     def option(self, op: Op, t: Transform | None, k: int, first_reader: dict[FullTensor, Op],
                outputs: set[FullTensor], produced: set[FullTensor]) -> Option:
-        reads, writes = self._layouts(op, t, k)
+        reads, writes = op_layouts(op, t, k)
         fw, bw = self.profiler.time(op, t, k)
         grads = not op.no_grad and any(g for _, _, g in reads)
         recomputed = op.oid in self.recompute
