@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 V, D, H = 16, 8, 12  # vocabulary, model width, hidden width
-LR = 1e-2
+LR = 1e-3  # with eps=1e-4 a step moves <= lr / eps = 10x a gradient's rounding (parity_utils)
 # Adam's eps as in tests/parallel/common.py: gradients that are rounding noise must not
 # turn into lr-sized steps whose sign depends on the summation order
 ADAM = {"lr": LR, "eps": 1e-4}

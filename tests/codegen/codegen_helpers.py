@@ -33,7 +33,7 @@ from nnscaler.codegen import emit_files, load_generated_class  # noqa: E402
 from nnscaler.models import gpt as gpt_module  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
 
-LR = 1e-2
+LR = 1e-3  # with eps=1e-4 a step moves <= lr / eps = 10x a gradient's rounding (parity_utils)
 ADAM = {"lr": LR, "eps": ADAM_EPS}
 
 

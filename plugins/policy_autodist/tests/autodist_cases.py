@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
-ADAM = {"lr": 1e-2, "eps": 1e-4}
+# The optimizer of the parity runs. Its step must be a well-conditioned function of the
+# gradient, so that comparing weights after it is no stricter than comparing gradients:
+# the gradients themselves are compared at rtol 1e-5 / atol 1e-6 before every step. Adam
+# is not: its step lr * m / (sqrt(v) + eps) moves by up to lr / eps per unit of gradient,
+# so with lr 1e-2 and eps 1e-4 a rounding difference of 1.2e-8 in a near-zero gradient of
+# the tied embedding (the order of a matmul's sums differs between a split and a whole op,
+# and between CPUs) became 1.2e-6 in a weight after two steps on another machine. SGD with
+# momentum moves by at most lr / (1 - momentum) per unit: rounding stays rounding.
+SGD = {"lr": 0.1, "momentum": 0.9}
 
 
 class Quickstart(nn.Module):
@@ -50,16 +58,17 @@ def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
 
 def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[str, Any],
           outdir: str, steps: int = 2, micro: int = 1, use_zero: bool = False) -> dict:
-    """Train ``steps`` Adam steps with autodist; compare with one process seeing every
-    unit's micro-batches (losses and every parameter piece, rtol 1e-5)."""
+    """Train ``steps`` optimizer steps with autodist; compare with one process seeing every
+    unit's micro-batches: the losses, every gradient piece before each step and every
+    parameter piece after the last (rtol 1e-5)."""
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     units = world // plan_ngpus
     data = [[[batch(kind, 100 * s + 10 * u + m) for m in range(micro)] for u in range(units)]
             for s in range(steps)]
     ref = make(kind)
-    opt = torch.optim.Adam(ref.parameters(), **ADAM)
-    ref_losses = []
+    opt = torch.optim.SGD(ref.parameters(), **SGD)
+    ref_losses, ref_grads = [], []
     for step in data:
         opt.zero_grad()
         row = []
@@ -68,6 +77,8 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[st
                 loss = ref(b)
                 loss.backward()
                 row.append(loss.item())
+        ref_grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
+                          if p.grad is not None})
         opt.step()
         ref_losses.append(row)
     cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_end2end=True,
@@ -76,10 +87,23 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[st
         warnings.simplefilter("ignore")
         pm = parallelize(make(kind), {"data" if kind == "quickstart" else "batch": data[0][0][0]},
                          "autodist", cfg, gen_savedir=outdir)
-    popt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+    popt = build_optimizer(pm, torch.optim.SGD, **SGD)
     unit = rank // plan_ngpus
+    pieces = [(attr, meta) for attr, meta in pm.fullmap.items()
+              if meta.kind == "parameter" and meta.value == (0, 1)]
     for s, step in enumerate(data):
         losses = [float(x) for x in pm.train_step(step[unit])]
+        popt.sync_shard_grad()  # what step() does first; gradients are unreduced before
+        if not use_zero:  # under ZeRO the synced gradients live in the optimizer's shards
+            for attr, meta in pieces:
+                grad = getattr(pm, attr).grad
+                want = ref_grads[s].get(meta.orig_name)
+                if want is None:
+                    continue
+                torch.testing.assert_close(
+                    grad if grad is not None else torch.zeros_like(want[meta.slicers]),
+                    want[meta.slicers], rtol=1e-5, atol=1e-6,
+                    msg=lambda m, n=meta.orig_name, s=s: f"step {s} gradient of {n}: {m}")
         popt.step()
         popt.zero_grad()
         want = ref_losses[s][unit * micro:(unit + 1) * micro]
@@ -87,9 +111,7 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[st
                                    atol=1e-6)
     state = {n: p.detach() for n, p in ref.named_parameters()}
     checked = 0
-    for attr, meta in pm.fullmap.items():
-        if meta.kind != "parameter" or meta.value != (0, 1):
-            continue
+    for attr, meta in pieces:
         full = state[meta.orig_name]
         torch.testing.assert_close(getattr(pm, attr).detach(), full[meta.slicers], rtol=1e-5,
                                    atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
