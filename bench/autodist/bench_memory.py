@@ -1,10 +1,12 @@
 """autodist's memory limit against the measured peak memory per rank.
 
-On ``--world`` CPU processes (gloo), an MLP whose parameters dominate its memory (wide
-linears, a small batch) is planned by ``autodist`` several times, in the same processes:
+On ``--world`` CPU processes (gloo), a model whose parameters dominate its memory (an
+MLP of wide linears, a 2-layer GPT with a large vocabulary; small batches) is planned by
+``autodist`` several times, in the same processes:
 
 - ``dp``: ``plan_ngpus=1`` (pure data parallelism: every rank holds every weight, its
   gradient and Adam's two states), no limit: the reference the limits are taken from;
+- ``dp-zero``: the same with ``use_zero=True`` (Adam's state divided over the ranks);
 - ``none``: ``plan_ngpus=world``, no limit (autodist's fastest plan);
 - ``excl-dp``: ``plan_ngpus=world`` with ``mem_constraint`` at ``--excl`` (default 0.8) of
   the ``dp`` estimate: pure data parallelism does not fit;
@@ -21,7 +23,7 @@ measured / estimate. Then one JSON line.
 
 Usage::
 
-    python bench/autodist/bench_memory.py [--world 2] [--steps 3]
+    python bench/autodist/bench_memory.py [--world 2] [--models mlp gpt] [--steps 3]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import attrs  # noqa: E402
 import torch  # noqa: E402
 from _launch import launch  # noqa: E402
 from nnscaler_policy_autodist.memory import measure_peak  # noqa: E402
@@ -44,25 +47,49 @@ MiB = 2**20
 GB = 1024**3
 
 
-def make_model() -> torch.nn.Module:
-    """An MLP of 3.4 M parameters (13 MiB in float32): 256 -> 1024 -> 1024 -> 1024 -> 256."""
-    from nnscaler.models import MLP, MLPConfig
+@attrs.frozen
+class Plan:
+    """One compile: its name, ``plan_ngpus``, limit in bytes (None: none), ZeRO."""
+
+    name: str
+    plan_ngpus: int
+    limit: float | None = None
+    zero: bool = False
+
+
+MODELS = {
+    # name: (what, config); both are about 10 MiB of float32 parameters
+    "mlp": ("MLP 256-1024-1024-1024-256", {"d_in": 256, "d_hidden": 1024, "n_classes": 256,
+                                           "n_layers": 4}),
+    "gpt": ("GPT 2 layers, d_model 256, vocab 4096, seq 32 (tied embedding)",
+            {"vocab_size": 4096, "n_layer": 2, "n_head": 4, "d_model": 256, "seq_len": 32}),
+}
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    """The model of ``MODELS[kind]``, seeded."""
+    from nnscaler.models import MLP, GPTConfig, GPTWithLoss, MLPConfig
 
     torch.manual_seed(0)
-    return MLP(MLPConfig(d_in=256, d_hidden=1024, n_classes=256, n_layers=4))
+    if kind == "mlp":
+        return MLP(MLPConfig(**MODELS[kind][1]))
+    return GPTWithLoss(GPTConfig(**MODELS[kind][1]))
 
 
-def make_batch(n: int, seed: int) -> dict[str, torch.Tensor]:
-    from nnscaler.models import MLPConfig
+def make_batch(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
+    from nnscaler.models import GPTConfig, MLPConfig
+    from nnscaler.models.gpt import make_batch as gpt_batch
     from nnscaler.models.mlp import make_batch as mlp_batch
 
-    return mlp_batch(MLPConfig(d_in=256, d_hidden=1024, n_classes=256, n_layers=4), n,
-                     seed=seed)
+    if kind == "mlp":
+        return mlp_batch(MLPConfig(**MODELS[kind][1]), n, seed=seed)
+    return gpt_batch(GPTConfig(**MODELS[kind][1]), n, seed=seed)
 
 
-def run_plan(rank: int, world: int, plan_ngpus: int, limit_gb: float | None, batch_size: int,
-             steps: int, gen: str, profile_dir: str, name: str) -> dict[str, Any]:
-    """Compile ``make_model()`` with autodist, train ``steps`` steps and measure each."""
+def run_plan(rank: int, world: int, kind: str, plan: Plan, batch_size: int, steps: int,
+             gen: str, profile_dir: str) -> dict[str, Any]:
+    """Compile ``make_model(kind)`` with autodist as ``plan`` says, train ``steps`` steps
+    and measure each."""
     from nnscaler_policy_autodist import plan_graph
 
     from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -75,15 +102,15 @@ def run_plan(rank: int, world: int, plan_ngpus: int, limit_gb: float | None, bat
         return g
 
     pas: dict[str, Any] = {"profile_dir": profile_dir}
-    if limit_gb is not None:
-        pas["mem_constraint"] = limit_gb
-    units = world // plan_ngpus
-    batches = [make_batch(batch_size // units, seed=100 * s + rank // plan_ngpus)
+    if plan.limit is not None:
+        pas["mem_constraint"] = plan.limit / GB
+    units = world // plan.plan_ngpus
+    batches = [make_batch(kind, batch_size // units, seed=100 * s + rank // plan.plan_ngpus)
                for s in range(steps)]
-    cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_end2end=True,
-                        pas_config=pas)
-    pm = parallelize(make_model(), {"batch": batches[0]}, policy, cfg, gen_savedir=gen,
-                     instance_name=name)
+    cfg = ComputeConfig(plan_ngpus=plan.plan_ngpus, runtime_ngpus=world, use_end2end=True,
+                        use_zero=plan.zero, pas_config=pas)
+    pm = parallelize(make_model(kind), {"batch": batches[0]}, policy, cfg, gen_savedir=gen,
+                     instance_name=f"{kind}_{plan.name.replace('-', '_')}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
     peaks = []
     for b in batches:
@@ -110,21 +137,20 @@ def attrs_dict(m: Any) -> dict[str, int]:
     return {"resident": m.resident, "peak": m.peak, "end": m.end, "after": m.after}
 
 
-def _run(rank: int, world: int, plans: list[tuple[str, int, float | None]], batch_size: int,
-         steps: int, gen: str, profile_dir: str) -> dict[str, Any]:
+def _run(rank: int, world: int, kind: str, plans: list[Plan], batch_size: int, steps: int,
+         gen: str, profile_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     out = {}
-    for name, plan_ngpus, limit in plans:
-        out[name] = run_plan(rank, world, plan_ngpus, limit, batch_size, steps, gen,
-                             profile_dir, name)
+    for plan in plans:
+        out[plan.name] = run_plan(rank, world, kind, plan, batch_size, steps, gen, profile_dir)
         dist.barrier()
     return out
 
 
-def dp_estimate(world: int, batch_size: int, profile_dir: str) -> tuple[float, int]:
-    """autodist's estimate for pure data parallelism (``plan_ngpus=1``), in bytes per
-    device, and the model's parameter bytes; planned in this process (no ranks needed)."""
+def estimate(kind: str, world: int, plan: Plan, batch_size: int, profile_dir: str) -> float:
+    """autodist's estimate (bytes per device) for ``plan``, planned in this process (no
+    ranks needed; the profile is shared with the ranks'). Raises ``NoPlanFits``."""
     from types import SimpleNamespace
 
     from nnscaler_policy_autodist import plan_graph
@@ -132,17 +158,71 @@ def dp_estimate(world: int, batch_size: int, profile_dir: str) -> tuple[float, i
     from nnscaler.graph import IRGraph
     from nnscaler.trace import trace
 
-    model = make_model()
-    traced = trace(model, {"batch": make_batch(batch_size // world, seed=0)})
-    cfg = SimpleNamespace(plan_ngpus=1, runtime_ngpus=world, use_end2end=True,
-                          pas_config={"profile_dir": profile_dir})
+    units = world // plan.plan_ngpus
+    traced = trace(make_model(kind), {"batch": make_batch(kind, batch_size // units, seed=0)})
+    pas: dict[str, Any] = {"profile_dir": profile_dir}
+    if plan.limit is not None:
+        pas["mem_constraint"] = plan.limit / GB
+    cfg = SimpleNamespace(plan_ngpus=plan.plan_ngpus, runtime_ngpus=world, use_end2end=True,
+                          use_zero=plan.zero, pas_config=pas)
     _, result = plan_graph(IRGraph.from_graph(traced), cfg)
-    return result.solutions[0].mem, sum(p.numel() * p.element_size() for p in model.parameters())
+    return result.solutions[0].mem
+
+
+def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from nnscaler_policy_autodist import NoPlanFits
+
+    pbytes = sum(p.numel() * p.element_size() for p in make_model(kind).parameters())
+    dp_mem = estimate(kind, args.world, Plan("dp", 1), args.batch, args.profile_dir)
+    plans = []
+    for plan in [Plan("dp", 1), Plan("dp-zero", 1, zero=True), Plan("none", args.world),
+                 Plan("excl-dp", args.world, args.excl * dp_mem),
+                 Plan("tight", args.world, args.tight * dp_mem)]:
+        try:
+            estimate(kind, args.world, plan, args.batch, args.profile_dir)
+            plans.append(plan)
+        except NoPlanFits as e:
+            print(f"{kind} {plan.name}: no plan fits {plan.limit / MiB:.2f} MiB (autodist: "
+                  f"at least {e.need / MiB:.2f} MiB needed): not run")
+    with tempfile.TemporaryDirectory() as gen:
+        results = launch(_run, args.world, kind, plans, args.batch, args.steps, gen,
+                         args.profile_dir)
+    print(f"{MODELS[kind][0]}: {pbytes / MiB:.2f} MiB of float32 parameters, Adam, global "
+          f"batch {args.batch}, {args.world} CPU processes (gloo); autodist's estimate for "
+          f"pure data parallelism {dp_mem / MiB:.2f} MiB per rank (parameters x 4 = "
+          f"{4 * pbytes / MiB:.2f} MiB)")
+    print(f"{'plan':8} {'limit MiB':>10} {'estimate':>9} {'rank':>4} {'params':>7} "
+          f"{'resident':>9} {'peak':>7} {'peak/est':>8} {'peak/limit':>10}  splits")
+    rows = []
+    for plan in plans:
+        est = results[0][plan.name]["estimate"][0]
+        for rank, res in enumerate(results):
+            r = res[plan.name]
+            peak = max(p["peak"] for p in r["peaks"])
+            resident = r["peaks"][-1]["resident"]  # after a step: Adam's state exists
+            lim = plan.limit
+            row = {"model": kind, "plan": plan.name, "plan_ngpus": plan.plan_ngpus,
+                   "zero": plan.zero, "rank": rank,
+                   "limit_mib": None if lim is None else round(lim / MiB, 3),
+                   "estimate_mib": round(est / MiB, 3), "peak_mib": round(peak / MiB, 3),
+                   "resident_mib": round(resident / MiB, 3),
+                   "param_mib": round(r["param_bytes"] / MiB, 3),
+                   "peak_over_estimate": round(peak / est, 3),
+                   "peak_over_limit": None if lim is None else round(peak / lim, 3),
+                   "unaccounted": max(abs(p["end"] - p["after"]) for p in r["peaks"])}
+            rows.append(row)
+            print(f"{plan.name:8} {'-' if lim is None else f'{lim / MiB:.2f}':>10} "
+                  f"{est / MiB:9.2f} {rank:4} {r['param_bytes'] / MiB:7.2f} "
+                  f"{resident / MiB:9.2f} {peak / MiB:7.2f} {peak / est:8.3f} "
+                  f"{'-' if lim is None else f'{peak / lim:.3f}':>10}  "
+                  f"{'; '.join(results[0][plan.name]['choices'])[:70]}")
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--batch", type=int, default=8, help="global batch per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--excl", type=float, default=0.8,
@@ -152,43 +232,11 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
                                                           "nnscaler-autodist-bench"))
     args = ap.parse_args()
-    dp_mem, pbytes = dp_estimate(args.world, args.batch, args.profile_dir)
-    plans = [("dp", 1, None), ("none", args.world, None),
-             ("excl-dp", args.world, args.excl * dp_mem / GB),
-             ("tight", args.world, args.tight * dp_mem / GB)]
-    with tempfile.TemporaryDirectory() as gen:
-        results = launch(_run, args.world, plans, args.batch, args.steps, gen, args.profile_dir)
-    print(f"MLP 256-1024-1024-1024-256 ({pbytes / MiB:.2f} MiB of float32 parameters), Adam, "
-          f"global batch {args.batch}, {args.world} CPU processes (gloo); autodist's estimate "
-          f"for pure data parallelism: {dp_mem / MiB:.2f} MiB per rank (parameters x 4 = "
-          f"{4 * pbytes / MiB:.2f} MiB)")
-    print(f"{'plan':8} {'limit MiB':>10} {'estimate':>9} {'rank':>4} {'params':>8} "
-          f"{'resident':>9} {'peak':>8} {'peak/est':>8} {'peak/limit':>10}  splits")
     rows = []
-    for name, plan_ngpus, limit in plans:
-        est = results[0][name]["estimate"][0]
-        for rank, res in enumerate(results):
-            r = res[name]
-            peak = max(p["peak"] for p in r["peaks"])
-            resident = max(p["resident"] for p in r["peaks"])
-            lim = None if limit is None else limit * GB
-            row = {"plan": name, "plan_ngpus": plan_ngpus, "rank": rank,
-                   "limit_mib": None if lim is None else round(lim / MiB, 3),
-                   "estimate_mib": round(est / MiB, 3), "peak_mib": round(peak / MiB, 3),
-                   "resident_mib": round(resident / MiB, 3),
-                   "param_mib": round(r["param_bytes"] / MiB, 3),
-                   "peak_over_estimate": round(peak / est, 3),
-                   "peak_over_limit": None if lim is None else round(peak / lim, 3),
-                   "unaccounted": max(abs(p["end"] - p["after"]) for p in r["peaks"])}
-            rows.append(row)
-            print(f"{name:8} {'-' if lim is None else f'{lim / MiB:.2f}':>10} "
-                  f"{est / MiB:9.2f} {rank:4} {r['param_bytes'] / MiB:8.2f} "
-                  f"{resident / MiB:9.2f} {peak / MiB:8.2f} {peak / est:8.3f} "
-                  f"{'-' if lim is None else f'{peak / lim:.3f}':>10}  "
-                  f"{'; '.join(results[0][name]['choices'])}")
+    for kind in args.models:
+        rows += bench_model(kind, args)
     print(json.dumps({"bench": "autodist_memory", "world": args.world, "batch": args.batch,
-                      "dp_estimate_mib": round(dp_mem / MiB, 3),
-                      "param_mib": round(pbytes / MiB, 3), "rows": rows}))
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
