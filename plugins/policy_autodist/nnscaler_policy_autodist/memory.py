@@ -113,13 +113,13 @@ def tensor_bytes(*roots: Any, device: torch.device | str = "cpu") -> int:
 
 
 def _device_of(roots: Iterable[Any]) -> torch.device:
-    seen: dict[int, int] = {}
-    for device in ("cuda",):
-        if torch.cuda.is_available():
-            index = torch.cuda.current_device()
-            _storages(list(roots), torch.device(device, index), seen, {})
-            if seen:
-                return torch.device(device, index)
+    """The current CUDA device when ``roots`` hold tensors there, else the CPU."""
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        seen: dict[int, int] = {}
+        _storages(list(roots), cuda, seen, {})
+        if seen:
+            return cuda
     return torch.device("cpu")
 
 

@@ -130,7 +130,8 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     return make_batch(MLPConfig(**CONFIG), BATCH, seed=seed)
 
 
-def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str) -> dict[str, Any]:
+def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str,
+           plan_ngpus: int = 2, zero: bool = False) -> dict[str, Any]:
     from nnscaler_policy_autodist import plan_graph
 
     from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -142,7 +143,8 @@ def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str) -
         captured["result"] = result
         return g
 
-    cfg = ComputeConfig(plan_ngpus=world, runtime_ngpus=world, use_end2end=True,
+    cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_end2end=True,
+                        use_zero=zero,
                         pas_config={"mem_constraint": limit_gb, "profile_dir": profile_dir})
     batches = [_batch(seed) for seed in range(3)]
     pm = parallelize(_model(), {"batch": batches[0]}, policy, cfg, gen_savedir=gen)
@@ -164,7 +166,7 @@ def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str) -
     return out
 
 
-def _dp_estimate(profile_dir: str) -> float:
+def _dp_estimate(profile_dir: str, zero: bool = False) -> float:
     """autodist's own estimate for pure data parallelism on 2 ranks (plan_ngpus=1)."""
     from nnscaler_policy_autodist import plan_graph
 
@@ -172,7 +174,7 @@ def _dp_estimate(profile_dir: str) -> float:
     from nnscaler.trace import trace
 
     traced = trace(_model(), {"batch": _batch(0)})
-    cfg = SimpleNamespace(plan_ngpus=1, runtime_ngpus=2, use_end2end=True,
+    cfg = SimpleNamespace(plan_ngpus=1, runtime_ngpus=2, use_end2end=True, use_zero=zero,
                           pas_config={"profile_dir": profile_dir})
     return plan_graph(IRGraph.from_graph(traced), cfg)[1].solutions[0].mem
 
@@ -184,11 +186,7 @@ def test_limit_excluding_dp_holds_measured_2_procs(profile_dir, tmp_path):
     limit = 0.8 * dp
     results = run_distributed(_train, 2, limit / GB, profile_dir, str(tmp_path / "gen"))
     est = results[0]["estimate"][0]
-    report = "; ".join(
-        f"rank {r}: measured peak {max(m.peak for m in res['steps']) / MiB:.2f} MiB "
-        f"(resident {res['steps'][-1].resident / MiB:.2f} MiB) vs estimate {est / MiB:.2f} "
-        f"MiB = {max(m.peak for m in res['steps']) / est:.3f}x, limit {limit / MiB:.2f} MiB"
-        for r, res in enumerate(results))
+    report = _report(results, est, limit)
     assert est <= limit, report
     for res in results:
         # not pure data parallelism: the plan splits weights, each rank holds part of them
@@ -201,3 +199,32 @@ def test_limit_excluding_dp_holds_measured_2_procs(profile_dir, tmp_path):
         # measurement")
         assert res["steps"][-1].resident <= est, report
     print(report)
+
+
+def _report(results: list[dict[str, Any]], est: float, limit: float) -> str:
+    return "; ".join(
+        f"rank {r}: measured peak {max(m.peak for m in res['steps']) / MiB:.2f} MiB "
+        f"(resident {res['steps'][-1].resident / MiB:.2f} MiB) vs estimate {est / MiB:.2f} "
+        f"MiB = {max(m.peak for m in res['steps']) / est:.3f}x, limit {limit / MiB:.2f} MiB"
+        for r, res in enumerate(results))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the cost model leaves out the step's transients: with Adam on CPU (single-tensor) "
+    "up to 3 buffers the size of the largest weight piece, 2 MiB each here; under ZeRO "
+    "also the fp32 master shard and its gradient (resident 4P vs 3P estimated, P the "
+    "weights' bytes) and gloo's reduce-scatter copy. When model.py counts them, this "
+    "passes: remove the mark"))
+@pytest.mark.parametrize("case", ["tight", "zero"])
+def test_limit_holds_measured_known_gaps_2_procs(case, profile_dir, tmp_path):
+    """Limits that the estimate meets but the measured peak exceeds (bench_memory.py)."""
+    if case == "tight":  # the MLP on 2 devices: estimate 20.2 MiB, measured up to 26.1
+        limit, plan_ngpus, zero = 0.6 * _dp_estimate(profile_dir), 2, False
+    else:  # pure data parallelism with ZeRO: estimate 30.1 MiB, measured up to 60.1
+        limit, plan_ngpus, zero = 1.05 * _dp_estimate(profile_dir, zero=True), 1, True
+    results = run_distributed(_train, 2, limit / GB, profile_dir, str(tmp_path / "gen"),
+                              plan_ngpus, zero)
+    est = results[0]["estimate"][0]
+    report = _report(results, est, limit)
+    assert est <= limit, report
+    assert all(m.peak <= limit for res in results for m in res["steps"]), report
