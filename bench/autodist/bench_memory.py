@@ -17,9 +17,14 @@ Each plan trains ``--steps`` steps of Adam (``build_optimizer``, ``train_step`` 
 :func:`nnscaler_policy_autodist.memory.measure_peak` (on CPU: the bytes of the tensors
 held when the step starts plus the largest running sum of the profiler's allocation events
 during it; see that module for what it sees). Printed per plan and rank: the limit,
-autodist's estimate (bytes per device), the measured peak (the largest over the steps:
-the first step also allocates Adam's state), the bytes of this rank's parameters, and
-measured / estimate. Then one JSON line.
+autodist's estimate (bytes per device), the bytes of this rank's parameters, the bytes
+resident between steps (after a step: weights, gradients, Adam's state), the measured peak
+(the largest over the steps), measured / estimate, measured / limit and how many ops the
+plan splits. Then one JSON line. A limit no plan fits is reported and not run.
+
+The plans depend on the measured compute profile (``--profile-dir``): on a loaded machine
+two runs may choose differently where options cost about the same. Memory figures do not
+depend on load: the bytes a plan allocates are the same every run.
 
 Usage::
 
@@ -127,9 +132,9 @@ def run_plan(rank: int, world: int, kind: str, plan: Plan, batch_size: int, step
     if "result" in captured:
         r = captured["result"]
         info["estimate"] = [s.mem for s in r.solutions]
-        info["choices"] = sorted({p.options[i][c].describe()
-                                  for p, sol in zip(r.problems, r.solutions)
-                                  for i, c in enumerate(sol.choice)})
+        chosen = [p.options[i][c] for p, sol in zip(r.problems, r.solutions)
+                  for i, c in enumerate(sol.choice)]
+        info["split"] = f"{sum(o.transform is not None for o in chosen)}/{len(chosen)}"
     return info
 
 
@@ -192,7 +197,7 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
           f"pure data parallelism {dp_mem / MiB:.2f} MiB per rank (parameters x 4 = "
           f"{4 * pbytes / MiB:.2f} MiB)")
     print(f"{'plan':8} {'limit MiB':>10} {'estimate':>9} {'rank':>4} {'params':>7} "
-          f"{'resident':>9} {'peak':>7} {'peak/est':>8} {'peak/limit':>10}  splits")
+          f"{'resident':>9} {'peak':>7} {'peak/est':>8} {'peak/limit':>10} {'ops split':>9}")
     rows = []
     for plan in plans:
         est = results[0][plan.name]["estimate"][0]
@@ -209,13 +214,14 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                    "param_mib": round(r["param_bytes"] / MiB, 3),
                    "peak_over_estimate": round(peak / est, 3),
                    "peak_over_limit": None if lim is None else round(peak / lim, 3),
-                   "unaccounted": max(abs(p["end"] - p["after"]) for p in r["peaks"])}
+                   "unaccounted": max(abs(p["end"] - p["after"]) for p in r["peaks"]),
+                   "ops_split": results[0][plan.name]["split"]}
             rows.append(row)
             print(f"{plan.name:8} {'-' if lim is None else f'{lim / MiB:.2f}':>10} "
                   f"{est / MiB:9.2f} {rank:4} {r['param_bytes'] / MiB:7.2f} "
                   f"{resident / MiB:9.2f} {peak / MiB:7.2f} {peak / est:8.3f} "
-                  f"{'-' if lim is None else f'{peak / lim:.3f}':>10}  "
-                  f"{'; '.join(results[0][plan.name]['choices'])[:70]}")
+                  f"{'-' if lim is None else f'{peak / lim:.3f}':>10} "
+                  f"{results[0][plan.name]['split']:>9}")
     return rows
 
 

@@ -19,17 +19,20 @@ measures what a step really holds, on the device the step runs on:
   the peak. Garbage is collected first, so that no earlier object is freed during the
   step unseen by the resident count.
 
-  The CPU allocator reports a free to the profiler only for a block whose size it
-  recorded, i.e. one allocated while a memory profile was on (this or an earlier one):
-  freeing a tensor made before any profiling (a gradient set to ``None`` in the first
-  measured step) goes uncounted, so the peak measured after it is too high, never too low.
+  The profiler records the allocations of the thread that runs the step and of the
+  threads that carry its thread-local state: autograd's engine (on CPU it runs backward in
+  the calling thread) and c10d's gloo workers (a collective's work runs with the caller's
+  thread-local state, profiler included: the flat buffer an all-gather stages on the
+  worker is seen). A thread that does not carry it (a plain ``threading.Thread``) is not
+  seen.
 
-  The profiler records the allocations of the thread that runs the step: its forward,
-  autograd's backward (on CPU the engine runs it in the calling thread) and the optimizer.
-  It does not see allocations made on other threads, i.e. the staging buffers gloo's
-  worker threads allocate inside some collectives (an all-gather's flat output); they are
-  transient and as large as the collective's output. The allocator statistic of CUDA has
-  no such blind spot.
+  Two cases make the CPU peak too high, never too low, and show in
+  :attr:`PeakMemory.unaccounted`: the allocator reports a free only for a block whose size
+  it recorded, i.e. one allocated while a memory profile was on (this or an earlier one),
+  so freeing a tensor made before any profiling goes uncounted; and a block freed on a
+  thread without the profiler's state (a collective's input released as gloo's worker
+  drops its work) stays counted as held. The allocator statistic of CUDA counts every
+  thread.
 
 ``PeakMemory.after`` recounts the roots (and what the step returned) when the step ends;
 ``PeakMemory.end`` is the resident bytes plus the step's net allocations. They are equal
@@ -164,3 +167,4 @@ def measure_peak(step: Callable[[], T], *roots: Any,
                            end=resident + held, after=after,
                            method="torch.profiler memory events (this thread) + resident "
                                   "tensors")
+
