@@ -22,7 +22,7 @@ import attrs
 
 from nnscaler.layout import Plan
 
-__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "measure_comm"]
+__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_comm"]
 
 logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
@@ -128,8 +128,8 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
-    ``autodist`` runs on rank 0 only (inside ``parallelize``), where it cannot start a
-    collective, so call this once before ``parallelize``; the plan then uses the figures.
+    ``autodist`` calls it itself, through :func:`nnscaler.parallel.call_on_every_rank`,
+    the first time it plans inside a distributed ``parallelize`` with no figures cached.
     """
     import torch
     import torch.distributed as dist
@@ -166,6 +166,13 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
         tmp.write_text(json.dumps(figures, indent=1))
         tmp.replace(path)
     return figures
+
+
+def comm_measured(profile_dir: Path | str) -> bool:
+    """Whether :func:`measure_comm` cached figures for this device type there."""
+    from nnscaler.runtime.device import device_type
+
+    return _cache_file(Path(profile_dir), device_type()).is_file()
 
 
 def device_spec(device: str | None, profile_dir: Path) -> DeviceSpec:
