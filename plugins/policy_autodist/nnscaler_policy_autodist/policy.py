@@ -24,8 +24,8 @@ import attrs
 
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import Graph, Op
-from nnscaler.policies.common import as_policy_graph, get_plan_ngpus
 from nnscaler.parallel import call_on_every_rank
+from nnscaler.policies.common import as_policy_graph, get_plan_ngpus
 from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints

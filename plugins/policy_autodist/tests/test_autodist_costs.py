@@ -32,7 +32,6 @@ def recording_run_job(job):
     import os
 
     import torch.distributed as dist
-
     from nnscaler_policy_autodist import profile
 
     out = os.environ["AUTODIST_TEST_JOBS"]
