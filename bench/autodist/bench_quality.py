@@ -6,9 +6,9 @@ Every mode trains the same global batch per step (``--batch`` samples) with Adam
 ``train_step`` (end2end modules): ``dp`` has ``world`` scale units of one device, each on
 ``batch / world`` samples; ``data``, ``tp`` and ``hybrid`` (``pipeline_nstages=2``, two
 micro-batches) have one unit of ``world`` devices on the whole batch. ``autodist`` plans
-both unit sizes (``plan_ngpus=1`` and ``plan_ngpus=world`` with ``pipeline_nstages='auto'``
-and ``pipeline_nmicros=2``) and keeps the one whose *estimated* step time is lower (the
-choice is autodist's, before anything is measured); both are timed. The communication
+the same global batch three ways (:data:`AUTODIST`) and keeps the one whose *estimated*
+step time is lowest (the choice is autodist's, before anything is measured); all three
+are timed. The communication
 figures come from :func:`nnscaler_policy_autodist.measure_comm` on the benchmark's own
 process group, the compute profile from ``--profile-dir``.
 
@@ -40,6 +40,10 @@ from _launch import launch, time_modes  # noqa: E402
 from torch import nn  # noqa: E402
 
 BASELINES = ("dp", "data", "tp", "hybrid")
+#: autodist asked three ways: one device per unit (plan_ngpus=1), every device in one unit
+#: (plan_ngpus=world) with one micro-batch, and the same with two micro-batches and
+#: pipeline_nstages='auto'; the bench keeps the one autodist *estimates* fastest.
+AUTODIST = ("autodist_1", "autodist_n", "autodist_pp")
 TARGET = 1.05
 
 
@@ -109,6 +113,8 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
     elif name == "autodist_1":
         plan, policy, pas = 1, "autodist", {"profile_dir": profile_dir}
     elif name == "autodist_n":
+        plan, policy, pas = world, "autodist", {"profile_dir": profile_dir}
+    elif name == "autodist_pp":
         plan, policy = world, "autodist"
         pas = {"profile_dir": profile_dir, "pipeline_nstages": "auto", "pipeline_nmicros": 2}
     else:
@@ -126,12 +132,9 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
             return g
 
         policy = policy_fn
-    micro = 2 if name == "hybrid" else 1
+    micro = 2 if name in ("hybrid", "autodist_pp") else 1
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
                         pas_config=pas)
-    if name == "autodist_n":
-        # a pipeline needs its micro-batches; ask autodist first (rank 0 plans)
-        micro = 2
     samples = [_split(mine, micro, m) for m in range(micro)]
     pm = parallelize(make_model(kind), {"batch": samples[0]}, policy, cfg, gen_savedir=gen,
                      instance_name=f"{kind}_{name}")
@@ -176,7 +179,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt4", "gpt24", "llama", "mixtral"])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--modes", nargs="+", default=[*BASELINES, "autodist_1", "autodist_n"])
+    ap.add_argument("--modes", nargs="+", default=[*BASELINES, *AUTODIST])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
@@ -202,7 +205,7 @@ def main() -> None:
             per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
             med[m] = statistics.median(per_step)
         infos = results[0]["infos"]
-        ran = [m for m in ("autodist_1", "autodist_n") if m in med and "estimate_ms" in
+        ran = [m for m in AUTODIST if m in med and "estimate_ms" in
                infos.get(m, {})]
         chosen = min(ran, key=lambda m: infos[m]["estimate_ms"]) if ran else None
         base = {m: med[m] for m in BASELINES if m in med}

@@ -122,15 +122,22 @@ def _cache_file(profile_dir: Path, device: str) -> Path:
 
 
 def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23),
-                 repeat: int = 5) -> dict[str, float] | None:
+                 repeat: int = 9) -> dict[str, float] | None:
     """Measure all-reduce on the present ``torch.distributed`` group and cache the fitted
     latency and bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
+    Each all-reduce is timed as training meets it: right after a short computation, so
+    that its time includes waiting for the slowest rank (on a CPU whose cores are shared,
+    ~1 ms per collective more than back-to-back calls show), and the median of
+    ``repeat`` is kept.
+
     ``autodist`` calls it itself, through :func:`nnscaler.parallel.call_on_every_rank`,
     the first time it plans inside a distributed ``parallelize`` with no figures cached.
     """
+    import statistics
+
     import torch
     import torch.distributed as dist
 
@@ -140,19 +147,27 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
 
     dev = current_device() if device_type() == "cuda" else torch.device("cpu")
     g = dist.get_world_size()
+    work = torch.randn(192, 192, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     points = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=dev)
         dist.all_reduce(x)
         dist.barrier()
-        best = math.inf
+        samples = []
         for _ in range(repeat):
+            for _ in range(2):
+                work @ work  # the computation a collective follows in training
+            sync()
             t0 = time.perf_counter()
             dist.all_reduce(x)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        points.append((size, best))
+            sync()
+            samples.append(time.perf_counter() - t0)
+        points.append((size, statistics.median(samples)))
     # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
     (s0, t0), (s1, t1) = points[0], points[-1]
     k = 2 * (g - 1) / g
