@@ -2,7 +2,7 @@
 
 For an op split by a transform (or whole), :class:`ComputeProfiler` runs one part,
 forward then backward, on tensors of the part's shapes (random floats, zeros for
-integers, ``True`` for masks), and keeps the fastest time. The cache is a JSON file per
+integers, ``True`` for masks), a few times, and keeps the mean without the slowest call. The cache is a JSON file per
 device under the profile directory, keyed by op name, shapes, dtypes, keyword arguments,
 the split and its number of parts: a second compile profiles nothing.
 
@@ -263,8 +263,9 @@ class ProfileJob:
 
 
 def run_job(job: ProfileJob) -> tuple[float, float] | str:
-    """Run ``job`` on this rank's device: the fastest (forward, backward) seconds of a few
-    calls after a warm-up; or the error's text when the op rejects made-up values."""
+    """Run ``job`` on this rank's device: the (forward, backward) seconds of a few
+    calls after a warm-up (the mean, slowest dropped); or the error's text when the op
+    rejects made-up values."""
     from nnscaler.plugins import get_plugin_manager
     from nnscaler.runtime.device import current_device, device_type
 
@@ -311,9 +312,13 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
                 spent += fw + bw
     except Exception as e:  # noqa: BLE001 - made-up values an op rejects
         return f"{type(e).__name__}: {e}"
-    # the fastest sample: what the device does when nothing else competes for it
-    # (other samples are the op plus noise from other processes)
-    return min(x[0] for x in samples), min(x[1] for x in samples)
+    # the mean without the slowest sample (a page fault, a collection): what the op costs
+    # while the ranks share the machine as they do in training (spread profiling runs on
+    # every rank at once); the fastest sample alone would miss the time a core shared by
+    # two ranks spends on the other one
+    samples.sort(key=lambda x: x[0] + x[1])
+    kept = samples[:-1]
+    return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
 
 
 def tensors_of(op: Op) -> list[SubTensor]:
