@@ -128,8 +128,9 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
-    Each all-reduce is timed as training meets it: right after a short computation, so
-    that its time includes waiting for the slowest rank (on a CPU whose cores are shared,
+    Each all-reduce is timed as training meets it: through the runtime's adapter, right
+    after a short computation, so that its time includes the adapter's bookkeeping and
+    waiting for the slowest rank (on a CPU whose cores are shared,
     ~1 ms per collective more than back-to-back calls show), and the median of
     ``repeat`` is kept.
 
@@ -143,6 +144,8 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
+    from nnscaler.layout import Layout, plan
+    from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
     from nnscaler.runtime.device import current_device, device_type
 
     dev = current_device() if device_type() == "cuda" else torch.device("cpu")
@@ -155,18 +158,23 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
 
     points = []
     for size in sizes:
-        x = torch.ones(size // 4, dtype=torch.float32, device=dev)
-        dist.all_reduce(x)
-        dist.barrier()
-        samples = []
-        for _ in range(repeat):
-            for _ in range(2):
-                work @ work  # the computation a collective follows in training
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            sync()
-            samples.append(time.perf_counter() - t0)
+        # through the runtime, as generated code runs it (its bookkeeping included)
+        shape = (size // 4,)
+        reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
+        ensure_groups(plan_groups(reduce))
+        x = torch.ones(shape, dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            execute_plan(reduce, x)
+            dist.barrier()
+            samples = []
+            for _ in range(repeat):
+                for _ in range(2):
+                    work @ work  # the computation a collective follows in training
+                sync()
+                t0 = time.perf_counter()
+                execute_plan(reduce, x)
+                sync()
+                samples.append(time.perf_counter() - t0)
         points.append((size, statistics.median(samples)))
     # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
     (s0, t0), (s1, t1) = points[0], points[-1]
