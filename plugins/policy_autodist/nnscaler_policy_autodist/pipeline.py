@@ -155,8 +155,38 @@ def _plan_for(ops: Sequence[Op], n: int, s: int, model: CostModel, cfg: AutoDist
             sols.append(mine)
         else:
             sols.append(solve(problem, limit, cfg.solver, held, verbose=cfg.verbose))
+    sols = [attrs.evolve(x, time=x.time + extra, comm=x.comm + extra)
+            for x, extra in zip(sols, _sends(whole, sol.choice, bounds, model))]
     return (PipelinePlan(tuple(starts), k, nmicros, cfg.pipeline_scheduler,
                          step_time([x.time for x in sols], nmicros)), problems, sols)
+
+
+def _sends(problem: StageProblem, choice: Sequence[int], bounds: Sequence[int],
+           model: CostModel) -> list[float]:
+    """Per stage: seconds per micro-batch to receive the activations that earlier stages
+    produce for it, point to point, each device its piece (and to send their gradients
+    back)."""
+    stage_of = {}
+    for s in range(len(bounds) - 1):
+        for i in range(bounds[s], bounds[s + 1]):
+            stage_of[i] = s
+    written = {}
+    for i, opts in enumerate(problem.options):
+        for full, lay in opts[choice[i]].writes:
+            written[full] = (i, lay)
+    extra = [0.0] * (len(bounds) - 1)
+    seen = set()
+    for j, op in enumerate(problem.ops):
+        for x in op.input_tensors():
+            src = written.get(x.full)
+            if src is None or stage_of[src[0]] == stage_of[j] or (x.full, stage_of[j]) in seen:
+                continue
+            seen.add((x.full, stage_of[j]))
+            lay = src[1]
+            piece = x.full.numel if lay is None else lay.piece_numel
+            once = model.comm.step_time([(0, 1)], piece, x.full.dtype.itemsize)
+            extra[stage_of[j]] += 2 * once if x.full.requires_grad else once
+    return extra
 
 
 def _slice(problem: StageProblem, lo: int, hi: int) -> StageProblem:
