@@ -27,6 +27,50 @@ def test_measured_comm_is_cached_and_used(tmp_path):
     assert measure_comm(tmp_path) is None  # no process group here
 
 
+def recording_run_job(job):
+    """``run_job``, leaving a file per measurement that names the rank that made it."""
+    import os
+
+    import torch.distributed as dist
+    from nnscaler_policy_autodist import profile
+
+    out = os.environ["AUTODIST_TEST_JOBS"]
+    with open(os.path.join(out, f"{dist.get_rank()}-{os.getpid()}-{len(os.listdir(out))}"),
+              "w") as f:
+        f.write(job.op)
+    return profile.measure_job(job)
+
+
+def _plan_in_parallelize(rank, world, profile_dir, gen):
+    from nnscaler import ComputeConfig, parallelize
+    from nnscaler.models import MLP, MLPConfig
+
+    model = MLP(MLPConfig(d_in=16, d_hidden=32, n_classes=4, n_layers=2))
+    batch = {"x": torch.randn(8, 16), "y": torch.randint(4, (8,))}
+    parallelize(model, {"batch": batch}, "autodist",
+                ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True,
+                              pas_config={"profile_dir": profile_dir}),
+                gen_savedir=gen, load_module=False)
+
+
+def test_profiling_and_comm_are_measured_on_every_rank(tmp_path, monkeypatch):
+    from nnscaler_policy_autodist import profile
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    monkeypatch.setenv("AUTODIST_TEST_JOBS", str(jobs))
+    monkeypatch.setattr(profile, "measure_job", profile.run_job, raising=False)
+    monkeypatch.setattr(profile, "run_job", recording_run_job)
+    prof = tmp_path / "profile"
+    run_distributed(_plan_in_parallelize, 2, str(prof), str(tmp_path / "gen"))
+    ranks = [name.name.split("-")[0] for name in jobs.iterdir()]
+    assert ranks.count("0") > 0 and ranks.count("1") > 0, ranks  # both ranks measured
+    assert abs(ranks.count("0") - ranks.count("1")) <= 1  # in equal shares
+    assert (prof / "comm-cpu.json").is_file()  # measured without being asked
+    table = next(prof.glob("compute-*.json")).read_text()
+    assert table.count("|") >= 2 * len(ranks)  # every measurement reached rank 0's cache
+
+
 def test_comm_model_prefers_nvlink_inside_a_node():
     comm = CommModel(DEVICE_SPECS["H100"])
     inside = comm.step_time([(0, 1, 2, 3)], 1e6, 2)
