@@ -26,13 +26,15 @@ measures what a step really holds, on the device the step runs on:
   worker is seen). A thread that does not carry it (a plain ``threading.Thread``) is not
   seen.
 
-  Two cases make the CPU peak too high, never too low, and show in
-  :attr:`PeakMemory.unaccounted`: the allocator reports a free only for a block whose size
-  it recorded, i.e. one allocated while a memory profile was on (this or an earlier one),
-  so freeing a tensor made before any profiling goes uncounted; and a block freed on a
-  thread without the profiler's state (a collective's input released as gloo's worker
-  drops its work) stays counted as held. The allocator statistic of CUDA counts every
-  thread.
+  The CPU allocator reports a free with the size it recorded when the block was made
+  under a memory profile (this one or an earlier one). A block made outside any profile
+  and freed during the step is therefore not counted (the peak after it is too high), or,
+  where a block made under an earlier profile had the same address and was freed outside
+  one, counted at that block's size. A block freed on a thread without the profiler's
+  state (a collective's input released as gloo's worker drops its work) stays counted as
+  held. Each shows in :attr:`PeakMemory.unaccounted`; measuring every step from the first
+  (so that what a step frees was made under a profile) avoids the first two. The
+  allocator statistic of CUDA has none of these limits.
 
 ``PeakMemory.after`` recounts the roots (and what the step returned) when the step ends;
 ``PeakMemory.end`` is the resident bytes plus the step's net allocations. They are equal
@@ -49,9 +51,15 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
-__all__ = ["PeakMemory", "measure_peak", "tensor_bytes"]
+from nnscaler.errors import NNScalerError
+
+__all__ = ["MeasureError", "PeakMemory", "measure_peak", "tensor_bytes"]
 
 T = TypeVar("T")
+
+
+class MeasureError(NNScalerError, ValueError):
+    """A device :func:`measure_peak` cannot measure."""
 
 
 @attrs.frozen
@@ -147,8 +155,8 @@ def measure_peak(step: Callable[[], T], *roots: Any,
         return out, PeakMemory(device=str(dev), resident=resident, peak=peak, end=end,
                                after=end, method="torch.cuda.max_memory_allocated")
     if dev.type != "cpu":
-        raise ValueError(f"measure_peak measures CPU and CUDA devices, not {dev}; "
-                         f"pass device='cpu' or a CUDA device")
+        raise MeasureError(f"measure_peak measures CPU and CUDA devices, got device={dev}: "
+                           f"pass device='cpu' or a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
     resident = tensor_bytes(*roots, device=dev)
@@ -165,6 +173,5 @@ def measure_peak(step: Callable[[], T], *roots: Any,
     after = tensor_bytes(*roots, out, device=dev)
     return out, PeakMemory(device="cpu", resident=resident, peak=resident + top,
                            end=resident + held, after=after,
-                           method="torch.profiler memory events (this thread) + resident "
-                                  "tensors")
+                           method="resident tensors + torch.profiler memory events")
 

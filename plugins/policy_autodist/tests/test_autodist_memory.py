@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from dist_utils import run_distributed
-from nnscaler_policy_autodist.memory import measure_peak, tensor_bytes
+from nnscaler_policy_autodist.memory import MeasureError, measure_peak, tensor_bytes
 
 MiB = 2**20
 GB = 1024**3
@@ -40,10 +40,8 @@ def test_measure_synthetic_allocations():
         held.append(torch.empty(MiB, dtype=torch.uint8))
         return torch.empty(MiB, dtype=torch.uint8)
 
-    held[0] = torch.empty(MiB, dtype=torch.uint8)  # made while no profile runs: the
-    _, m = measure_peak(swap, held)  # allocator cannot report its free; counted as held
-    assert (m.resident, m.peak, m.unaccounted) == (MiB, 3 * MiB, MiB)
-    _, m = measure_peak(swap, held)  # now every block was made during a profile
+    held[:] = measure_peak(lambda: [torch.empty(MiB, dtype=torch.uint8)])[0]
+    _, m = measure_peak(swap, held)  # the resident MiB was made under a profile: its free
     assert (m.resident, m.peak, m.end, m.unaccounted) == (MiB, 2 * MiB, 2 * MiB, 0)
 
     def elsewhere():  # a thread without the profiler's thread-local state is not seen
@@ -53,6 +51,11 @@ def test_measure_synthetic_allocations():
 
     _, m = measure_peak(elsewhere, held)
     assert m.peak == m.resident
+
+
+def test_measure_other_devices_refused():
+    with pytest.raises(MeasureError, match="device=meta"):
+        measure_peak(lambda: None, device="meta")
 
 
 def test_tensor_bytes_counts_each_storage_once():
