@@ -189,7 +189,11 @@ def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str,
     out: dict[str, Any] = {"steps": steps,
                            "params": sum(p.numel() * p.element_size() for p in pm.parameters())}
     if "result" in captured:
-        out["estimate"] = [s.mem for s in captured["result"].solutions]
+        r = captured["result"]
+        out["estimate"] = [s.mem for s in r.solutions]
+        out["split"] = sum(p.options[i][c].transform is not None
+                           for p, sol in zip(r.problems, r.solutions)
+                           for i, c in enumerate(sol.choice))
     return out
 
 
@@ -215,6 +219,7 @@ def test_limit_excluding_dp_holds_measured_2_procs(profile_dir, tmp_path):
     est = results[0]["estimate"][0]
     report = _report(results, est, limit)
     assert est <= limit, report
+    assert results[0]["split"] > 0, report  # autodist split ops: not replication
     for res in results:
         # not pure data parallelism: the plan splits weights, each rank holds part of them
         assert res["params"] < 0.75 * weights, report
