@@ -37,7 +37,8 @@ from nnscaler.ir import Op, SubTensor, tensors_in
 from nnscaler.policies.costs import op_work, part_piece
 from nnscaler_policy_autodist.comm import DeviceSpec
 
-__all__ = ["ComputeProfiler", "ProfileJob", "TensorSpec", "analytic_time", "device_key", "run_job"]
+__all__ = ["ComputeProfiler", "ProfileJob", "TensorSpec", "analytic_time", "device_key",
+           "measure_adam", "run_job"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
 
@@ -115,6 +116,22 @@ class ComputeProfiler:
         if memo not in self._memo:
             self._memo[memo] = self._time(op, t, num if t is not None else 1)
         return self._memo[memo]
+
+    def optimizer_time(self, nbytes: float, opt_state: float = 2.0) -> float:
+        """Seconds of the optimizer's step over one parameter of ``nbytes`` on a device
+        (its gradient and ``opt_state`` states of the same size). Measured here once:
+        ``torch.optim.Adam`` on one large parameter and on many small ones, giving a cost
+        per parameter and per byte (scaled to ``opt_state`` states); for a named device,
+        memory bound: ``3 + 2 * opt_state`` passes over the bytes."""
+        passes = 3 + 2 * opt_state
+        if not self.measure:
+            return passes * nbytes / self.spec.mem_bw
+        key = "optimizer|torch.optim.Adam|float32"
+        if key not in self._table:
+            self._table[key] = list(measure_adam())
+            self._dirty = True
+        per_param, per_byte = self._table[key]
+        return per_param + per_byte * nbytes * passes / 7.0
 
     def save(self) -> None:
         """Write the cache (atomically) when something new was measured."""
@@ -262,6 +279,38 @@ class ProfileJob:
     grads: bool
 
 
+def _balanced_grouped_mm(args: list[Any], kw: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """``torch._grouped_mm``'s ``offs`` ends every group: zeros would make every group
+    empty and the call free. Balanced groups (an even routing of tokens to experts) cost
+    what a trained router costs on average."""
+    a = args[0]
+    b = args[1] if len(args) > 1 else kw.get("mat2")
+    offs_in_kw = "offs" in kw
+    offs = kw["offs"] if offs_in_kw else (args[2] if len(args) > 2 else None)
+    if not isinstance(offs, torch.Tensor) or not isinstance(a, torch.Tensor) \
+            or not isinstance(b, torch.Tensor):
+        return args, kw
+    if a.dim() == 2 and b.dim() == 3:
+        length = a.shape[0]
+    elif a.dim() == 3 and b.dim() == 2:
+        length = b.shape[-1]
+    else:
+        length = a.shape[-1]
+    align = max(1, 16 // a.element_size())
+    groups = offs.numel()
+    ends = [min(length, (length * (i + 1) // groups) // align * align) for i in range(groups)]
+    ends[-1] = length
+    balanced = torch.tensor(ends, dtype=offs.dtype, device=offs.device)
+    if offs_in_kw:
+        return args, {**kw, "offs": balanced}
+    return [*args[:2], balanced, *args[3:]], kw
+
+
+#: Ops whose cost depends on the values of integer arguments (made up as zeros): how to
+#: make values of the usual cost from the made-up arguments, by registered op name.
+VALUE_MAKERS: dict[str, Any] = {"torch._grouped_mm": _balanced_grouped_mm}
+
+
 def run_job(job: ProfileJob) -> tuple[float, float] | str:
     """Run ``job`` on this rank's device: the (forward, backward) seconds of a few
     calls after a warm-up (the mean, slowest dropped); or the error's text when the op
@@ -280,6 +329,9 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
 
         args = pytree.tree_map(build, job.args)
         kw = pytree.tree_map(build, job.kwargs)
+        shape_values = VALUE_MAKERS.get(job.op)
+        if shape_values is not None:
+            args, kw = shape_values(args, kw)
         leaves = [x for x in pytree.tree_leaves((args, kw))
                   if isinstance(x, torch.Tensor) and x.requires_grad]
 
@@ -319,6 +371,34 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     samples.sort(key=lambda x: x[0] + x[1])
     kept = samples[:-1]
     return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
+
+
+def measure_adam(large: int = 1 << 20, small: int = 256, count: int = 64,
+                 steps: int = 5) -> tuple[float, float]:
+    """(seconds per parameter, seconds per byte) of ``torch.optim.Adam``'s step here."""
+    from nnscaler.runtime.device import current_device, device_type
+
+    device = current_device() if device_type() == "cuda" else torch.device("cpu")
+
+    def timed(params: list[torch.Tensor]) -> float:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        opt.step()  # creates the states
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    many = timed([torch.zeros(small, device=device, requires_grad=True) for _ in range(count)])
+    one = timed([torch.zeros(large, device=device, requires_grad=True)])
+    per_param = max(many - count * small * (one / large), 0.0) / count
+    per_byte = max(one - per_param, 0.0) / (4 * large)
+    return per_param, per_byte
 
 
 def tensors_of(op: Op) -> list[SubTensor]:

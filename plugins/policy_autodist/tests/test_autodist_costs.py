@@ -127,3 +127,32 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     with pytest.raises(AutoDistError, match=r"pip install 'nnscaler-policy-autodist\[plot\]'"):
         report.plot(None, tmp_path / "x.png")
+
+
+def test_grouped_mm_is_profiled_with_balanced_groups():
+    from nnscaler_policy_autodist.profile import VALUE_MAKERS, ProfileJob, TensorSpec, run_job
+
+    make = VALUE_MAKERS["torch._grouped_mm"]
+    a, b = torch.randn(96, 16), torch.randn(4, 16, 8)
+    offs = torch.zeros(4, dtype=torch.int32)  # what the profiler makes up: every group empty
+    _, kw = make([a, b], {"offs": offs})
+    assert kw["offs"].tolist() == [24, 48, 72, 96] and kw["offs"].dtype == torch.int32
+    args, _ = make([b.transpose(1, 2).reshape(32, 16)[:, :16].reshape(2, 16, 16),
+                    torch.randn(16, 40), offs[:2]], {})
+    assert args[2].tolist()[-1] == 40  # the columns of mat2 are grouped
+    if hasattr(torch, "_grouped_mm"):
+        job = ProfileJob(op="torch._grouped_mm",
+                         args=[TensorSpec((96, 16), torch.float32),
+                               TensorSpec((4, 16, 8), torch.float32)],
+                         kwargs={"offs": TensorSpec((4,), torch.int32)}, grads=True)
+        fw, bw = run_job(job)
+        assert fw > 0 and bw > 0
+
+
+def test_optimizer_time_is_measured_here_and_analytic_for_a_named_device(tmp_path):
+    here = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path, measure=True)
+    small, large = here.optimizer_time(1024), here.optimizer_time(64 * 2**20)
+    assert 0 < small < large
+    assert here.optimizer_time(1024, opt_state=0) < small  # SGD's step moves fewer bytes
+    h100 = ComputeProfiler(DEVICE_SPECS["H100"], tmp_path, measure=False)
+    assert h100.optimizer_time(2**30) == pytest.approx(7 * 2**30 / DEVICE_SPECS["H100"].mem_bw)
