@@ -33,8 +33,9 @@ measures what a step really holds, on the device the step runs on:
   one, counted at that block's size. A block freed on a thread without the profiler's
   state (a collective's input released as gloo's worker drops its work) stays counted as
   held. Each shows in :attr:`PeakMemory.unaccounted`; measuring every step from the first
-  (so that what a step frees was made under a profile) avoids the first two. The
-  allocator statistic of CUDA has none of these limits.
+  (so that what a step frees was made under a profile) avoids the first two. The true
+  peak lies between :attr:`PeakMemory.low` and :attr:`PeakMemory.high`, equal to ``peak``
+  when nothing is unaccounted. The allocator statistic of CUDA has none of these limits.
 
 ``PeakMemory.after`` recounts the roots (and what the step returned) when the step ends;
 ``PeakMemory.end`` is the resident bytes plus the step's net allocations. They are equal
@@ -80,9 +81,21 @@ class PeakMemory:
 
     @property
     def unaccounted(self) -> int:
-        """``end - after``: bytes the step kept that the roots do not reach (0 when the
-        roots are complete; always 0 on CUDA, where both come from the allocator)."""
+        """``end - after``: 0 when the roots reach all the step keeps and every free was
+        seen (always 0 on CUDA, where both come from the allocator)."""
         return self.end - self.after
+
+    @property
+    def low(self) -> int:
+        """The least the true peak can be: frees not seen (``unaccounted > 0``) can only
+        have made the running sum too high, by at most their total."""
+        return self.peak - max(0, self.unaccounted)
+
+    @property
+    def high(self) -> int:
+        """The most the true peak can be: a free counted too large (``unaccounted < 0``)
+        made the running sum too low, by at most the difference."""
+        return self.peak + max(0, -self.unaccounted)
 
 
 def _storages(obj: Any, device: torch.device, seen: dict[int, int],
