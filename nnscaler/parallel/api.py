@@ -334,13 +334,15 @@ def _share_outcome(outcome: Any) -> Any:
     hanging them; the other ranks serve the policy's work (:mod:`.workers`) until then."""
     if dist.get_rank() != 0:
         return workers.serve()
+    sent = outcome
     if outcome[0] == "error":
-        try:
-            pickle.dumps(outcome[1])
+        try:  # the other ranks must be able to rebuild it, not only this one to send it
+            pickle.loads(pickle.dumps(outcome[1]))
         except Exception:  # noqa: BLE001 - an exception that does not pickle
             exc = outcome[1]
-            outcome = ("error", ParallelizeError(f"{type(exc).__name__}: {exc}"))
-    return workers.finish(outcome)
+            sent = ("error", ParallelizeError(f"{type(exc).__name__}: {exc}"))
+    workers.finish(sent)
+    return outcome  # rank 0 raises the exception itself
 
 
 def parallelize(

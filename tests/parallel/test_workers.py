@@ -112,3 +112,25 @@ def test_alone_it_runs_here():
     assert call_on_every_rank(square_where, 5) == [(25, -1)]
     with pytest.raises(ValueError, match="refused"):  # raised as it is, here
         map_over_ranks(refuse, [1])
+
+
+class Unrebuildable(Exception):
+    """An exception pickle can send but not rebuild (its __init__ takes other args)."""
+
+    def __init__(self, need: float, limit: float) -> None:
+        super().__init__(f"needs {need}, limit {limit}")
+
+
+def _raises_unrebuildable(rank: int, world: int, gen: str) -> tuple[str, str]:
+    def policy(graph, cfg):  # noqa: ANN001, ANN202
+        raise Unrebuildable(5.0, 3.0)
+
+    with pytest.raises(Exception) as info:
+        _parallelize(policy, gen)
+    return type(info.value).__name__, str(info.value)
+
+
+def test_an_error_that_cannot_be_rebuilt_still_reaches_every_rank(tmp_path):
+    (name0, msg0), (name1, msg1) = run_distributed(_raises_unrebuildable, 2, str(tmp_path))
+    assert name0 == "Unrebuildable" and "needs 5.0" in msg0
+    assert name1 == "ParallelizeError" and "Unrebuildable: needs 5.0, limit 3.0" in msg1

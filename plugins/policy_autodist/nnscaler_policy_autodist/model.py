@@ -18,7 +18,9 @@ op's rules), part ``p`` on device ``p``. For an option the model knows, per devi
   per parameter and per byte; memory bound for a named device);
 - ``mem``: bytes of the weights it is the first to read (parameter, gradient and
   optimizer state; under ZeRO the state divided over the units, plus the shard the
-  optimizer steps and its gradient) and of the activations
+  optimizer steps and its gradient; the step's temporaries that exist for every weight
+  at once); ``transient``: the temporaries of its weights' update that exist one weight
+  at a time (a stage holds the largest) and of the activations
   it keeps for backward (its outputs, when gradients flow and it is not recomputed).
 
 An edge between the producer of an activation and a consumer costs the layout plan from
@@ -61,6 +63,7 @@ class Option:
     comm: float  # seconds of moves and gradient sync charged to the op alone
     mem: float  # bytes per device
     act: float  # of which activations kept for backward, per micro-batch
+    transient: float = 0.0  # bytes its optimizer step holds briefly (a stage holds the max)
 
     @property
     def time(self) -> float:
@@ -154,6 +157,7 @@ class CostModel:
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
         comm = 0.0
         mem = 0.0
+        transient = 0.0
         seen: set[FullTensor] = set()
         for full, need, grad in reads:
             if full in seen:
@@ -172,7 +176,8 @@ class CostModel:
                     opt = self.opt_state * piece / (self.units if self.zero else 1)
                     if self.zero:  # the shard the optimizer steps, and its gradient
                         opt += 2 * piece / self.units
-                    mem += 2 * piece + opt
+                    mem += 2 * piece + opt + self._held_for_step(piece)
+                    transient = max(transient, self._step_temporaries(piece))
                     # the optimizer's step over the piece (its shard under ZeRO)
                     compute += self.profiler.optimizer_time(
                         piece / (self.units if self.zero else 1), self.opt_state)
@@ -191,7 +196,26 @@ class CostModel:
             if full in outputs:
                 comm += self.move(full, lay, replicated(full, k), full.requires_grad)
         return Option(transform=t, reads=reads, writes=writes, compute=compute, comm=comm,
-                      mem=mem + act, act=act)
+                      mem=mem + act, act=act, transient=transient)
+
+    def _gpu(self) -> bool:
+        return self.comm.spec.name != "cpu"
+
+    def _held_for_step(self, piece: float) -> float:
+        """Bytes a weight piece adds while the step syncs and updates it, on every weight
+        at once: Adam's ``foreach`` temporaries (the GPU default, one buffer the size of
+        every piece); under ZeRO on gloo, the reduce-scatter's copy of the gradient."""
+        if self._gpu():
+            return piece
+        return piece if self.zero else 0.0
+
+    def _step_temporaries(self, piece: float) -> float:
+        """Bytes one weight's update holds briefly, one weight at a time: Adam's
+        single-tensor step on a CPU (up to three buffers the size of the piece, or of
+        its ZeRO shard)."""
+        if self._gpu():
+            return 0.0
+        return 3 * piece / (self.units if self.zero else 1)
 
     # -- a stage ------------------------------------------------------------------------
     def build(self, ops: Sequence[Op], k: int, graph_outputs: set[FullTensor],

@@ -1,7 +1,8 @@
 """The intra-stage solvers: one option per op minimising time under the memory limit.
 
 Both minimise ``sum(node time) + sum(edge cost)`` (see :mod:`.model`) subject to
-``sum(weights) + inflight * sum(activations) <= limit`` bytes per device.
+``sum(weights) + inflight * sum(activations) + max(transients) <= limit`` bytes per
+device.
 
 - :func:`solve_ilp`: an integer program, solved exactly by CBC through pulp. One binary
   per option of each *representative* op (an op outside repeated blocks, or the template
@@ -57,12 +58,14 @@ def _mem(o: Option, inflight: int) -> float:
 def evaluate(problem: StageProblem, choice: Sequence[int], inflight: int = 1,
              solver: str = "") -> Solution:
     """The time, communication and memory of ``choice``."""
-    time = comm = mem = 0.0
+    time = comm = mem = peak = 0.0
     for i, opts in enumerate(problem.options):
         o = opts[choice[i]]
         time += o.time
         comm += o.comm
         mem += _mem(o, inflight)
+        peak = max(peak, o.transient)
+    mem += peak
     for e in problem.edges:
         c = e.cost[choice[e.src]][choice[e.dst]]
         time += c
@@ -72,7 +75,8 @@ def evaluate(problem: StageProblem, choice: Sequence[int], inflight: int = 1,
 
 def min_memory(problem: StageProblem, inflight: int = 1) -> float:
     """The least memory per device any choice needs (each op at its leanest option)."""
-    return sum(min(_mem(o, inflight) for o in opts) for opts in problem.options)
+    return sum(min(_mem(o, inflight) for o in opts) for opts in problem.options) + max(
+        (min(o.transient for o in opts) for opts in problem.options), default=0.0)
 
 
 def _tied(problem: StageProblem, choice_of_rep: dict[int, int]) -> tuple[int, ...]:
@@ -141,7 +145,13 @@ def _solve_ilp(pulp, problem: StageProblem, limit: float | None, inflight: int, 
                       if cost[i][j]]
     prob += pulp.lpSum(objective)
     if limit is not None:
-        prob += pulp.lpSum(m * v for r in reps for m, v in zip(memv[r], x[r])) <= limit
+        # the largest transient of the chosen options: one variable above each op's
+        peak = pulp.LpVariable("transient", lowBound=0)
+        for r in reps:
+            if any(o.transient for o in problem.options[r]):
+                prob += peak >= pulp.lpSum(o.transient * v
+                                           for o, v in zip(problem.options[r], x[r]))
+        prob += pulp.lpSum(m * v for r in reps for m, v in zip(memv[r], x[r])) + peak <= limit
     status = prob.solve(pulp.PULP_CBC_CMD(msg=verbose, timeLimit=time_limit, gapRel=1e-9))
     if pulp.LpStatus[status] != "Optimal":
         raise AutoDistError(f"policy 'autodist': the integer program has no solution "
@@ -271,3 +281,6 @@ class NoPlanFits(AutoDistError):
             f"{need / 1024**3:.3f} GB ({need:.0f} bytes). Raise pas_config['mem_constraint'] "
             f"to at least {need / 1024**3:.3f}, use more devices per scale unit (plan_ngpus), "
             f"ZeRO (use_zero=True), recompute_modules, or more pipeline stages")
+
+    def __reduce__(self) -> tuple:  # rebuilt on the other ranks of parallelize
+        return (type(self), (self.need, self.limit))
