@@ -97,6 +97,7 @@ class _Rank:
         self.received: set[str] = set()  # variables a stage receives (pipelines)
         self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
         self.methods: list[list[str]] = []  # the methods the pieces call
+        self.per_unit = False  # the body names this scale unit's ranks (see _DeviceCode)
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -317,6 +318,7 @@ class _Rank:
             if leaf.name not in self.used and not grad:
                 continue
             if grad:
+                self.per_unit = True  # the unit's runtime ranks: not shared across units
                 ranks = list(self.p.unit_ranks(self.unit))
                 lines.append(f"{leaf.name} = boundary.input({leaf.access}, ranks={ranks})")
                 if leaf.name not in self.used:
@@ -577,7 +579,9 @@ class _Rank:
         lines[0] = '"""' + lines[0]
         return [*lines, '"""']
 
-    def source(self) -> str:
+    def device_code(self) -> _DeviceCode:
+        """The parts of the file that depend on the device only: the same in every scale
+        unit (wrapped already, see :class:`_DeviceCode`)."""
         p = self.p
         pipe = self.pipe
         methods: list[str] = []
@@ -604,14 +608,13 @@ class _Rank:
             mine = [str(st.index) for st in pipe.stages if st.group == self.group]
             where = (f": pipeline stage{'s' if len(mine) > 1 else ''} {', '.join(mine)} of "
                      f"{len(pipe.stages)}")
-        head = [*self.docstring(where), "", "import torch"]
-
+        imports = ["", "import torch"]
         modules = sorted(m for m in self.imports if m not in ("torch", "builtins"))
-        head += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
+        imports += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
         # the public runtime only (docs/runtime.md): nnscaler's own ops come from
         # nnscaler.runtime.ops, everything else from nnscaler.runtime
-        head.append("")
-        head += [f"import {m}" for m in modules if m.startswith("nnscaler.")]
+        imports.append("")
+        imports += [f"import {m}" for m in modules if m.startswith("nnscaler.")]
         names = ["ParallelModule", "boundary"]
         if self.adapters:
             names.append("Adapter")
@@ -619,21 +622,43 @@ class _Rank:
             names += ["Piece", "Pipeline", "parse_schedule"]
             if any("anchored(" in line for line in methods):
                 names.append("anchored")
-        head.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
+        imports.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
         for d in self.defs:
-            head += ["", "", d.rstrip()]
+            imports += ["", "", d.rstrip()]
         if self.adapters:
-            head.append("")
-        for spec in sorted(set(self.adapters), key=lambda s: s.index):
+            imports.append("")
+        schedule = ["", *self.schedule_lines()] if pipe is not None else []
+        body = ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
+                f"{_INDENT * 2}super().__init__(init_params)"]
+        body += [_INDENT * 2 + line for line in init]
+        body += [f"{_INDENT * 2}self._post_init(init_params)", ""]
+        body += [_INDENT + line if line else "" for line in methods]
+        return _DeviceCode(
+            where=where,
+            imports=_Wrapped.of(imports),
+            adapters=tuple(sorted(set(self.adapters), key=lambda s: s.index)),
+            schedule=_Wrapped.of(schedule),
+            body=_Wrapped.of(body),
+            per_unit=self.per_unit,
+        )
+
+    def source(self, code: _DeviceCode | None = None) -> str:
+        """The file of this rank; ``code``: this device's :meth:`device_code`, made by a
+        rank of another scale unit (it is the same in every unit unless
+        :attr:`_DeviceCode.per_unit`)."""
+        if code is None or code.per_unit:
+            code = self.device_code()
+        p = self.p
+        head = self.docstring(code.where)
+        adapters: list[str] = []
+        for spec in code.adapters:
             src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
             plan = make_plan(src, dst)
-            head.append(f"# {spec.label}: {describe_plan(plan)}")
-            head.append(
+            adapters.append(f"# {spec.label}: {describe_plan(plan)}")
+            adapters.append(
                 f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
                 f"dtype={literal(spec.full.dtype)})"
             )
-        if pipe is not None:
-            head += ["", *self.schedule_lines()]
         cls = ["", "", "class GenModel(ParallelModule):"]
         attrs_ = [
             ("rank", self.rank),
@@ -646,14 +671,49 @@ class _Rank:
             ("reducer_config", p.reducer_config),
         ]
         cls += [f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_]
-        if pipe is not None:
+        if self.pipe is not None:
             cls += self.pipeline_attr()
-        cls += ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
-                f"{_INDENT * 2}super().__init__(init_params)"]
-        cls += [_INDENT * 2 + line for line in init]
-        cls += [f"{_INDENT * 2}self._post_init(init_params)", ""]
-        cls += [_INDENT + line if line else "" for line in methods]
-        return "\n".join(wrap_lines(head + cls)) + "\n"
+        # the file is the concatenation of these parts, wrapped line by line: the parts of
+        # the device are wrapped once (outside a string, where every part ends)
+        parts = [_Wrapped.of(head), code.imports, _Wrapped.of(adapters), code.schedule,
+                 _Wrapped.of(cls), code.body]
+        if any(part.ends_in_string for part in parts):  # a '"""' left open: wrap it whole
+            raw = [line for part in parts for line in part.raw]
+            return "\n".join(wrap_lines(raw)) + "\n"
+        return "\n".join(line for part in parts for line in part.lines) + "\n"
+
+
+@attrs.frozen
+class _Wrapped:
+    """Lines of generated code and the same lines wrapped (:func:`wrap_lines`);
+    ``ends_in_string``: a triple-quoted string opened in them is still open at the end."""
+
+    raw: tuple[str, ...]
+    lines: tuple[str, ...]
+    ends_in_string: bool
+
+    @classmethod
+    def of(cls, raw: list[str]) -> _Wrapped:
+        open_ = sum(line.count('"""') for line in raw) % 2 == 1
+        return cls(tuple(raw), tuple(wrap_lines(raw)), open_)
+
+
+@attrs.frozen
+class _DeviceCode:
+    """What the file of a rank holds that depends only on its device (rank modulo
+    ``plan_ngpus``): the ranks of the same device in different scale units differ only in
+    their rank numbers (the header, the adapters' runtime devices, the pipeline's ranks),
+    so this is made once per device and shared (:func:`generate`, :func:`emit_files
+    <nnscaler.codegen.emit_files>`). ``per_unit``: the body names runtime ranks after all
+    (a forward input whose gradient is summed over the scale unit), so each rank makes
+    its own."""
+
+    where: str  # the pipeline stages of the device, for the header
+    imports: _Wrapped
+    adapters: tuple[AdapterSpec, ...]
+    schedule: _Wrapped
+    body: _Wrapped  # __init__ and the methods
+    per_unit: bool
 
 
 def _version() -> str:
@@ -700,5 +760,18 @@ def generate_rank(program: Program, rank: int) -> str:
 
 
 def generate(program: Program) -> dict[int, str]:
-    """The source of every rank's file, by rank."""
-    return {rank: generate_rank(program, rank) for rank in range(program.runtime_ngpus)}
+    """The source of every rank's file, by rank (each is :func:`generate_rank`'s).
+
+    The body of a file depends on the rank's device only, so it is made once per device
+    of the plan and shared by that device's ranks in the other scale units: the work grows
+    with ``plan_ngpus`` x the program, plus ``runtime_ngpus`` x a header, not with
+    ``runtime_ngpus`` x the program."""
+    codes: dict[int, _DeviceCode] = {}
+    out: dict[int, str] = {}
+    for rank in range(program.runtime_ngpus):
+        writer = _Rank(program, rank)
+        code = codes.get(writer.device)
+        if code is None:
+            code = codes[writer.device] = writer.device_code()
+        out[rank] = writer.source(code)
+    return out
