@@ -74,7 +74,7 @@ class PhaseClock:
 
         cprogram.check_plan = gcheck.check_plan  # build_program imported it by name
         self.wrap(cfiles, "build_program", "codegen")
-        self.wrap(cfiles, "generate_rank", "codegen")
+        self.wrap(cfiles, "generate", "codegen")
         self.wrap(cfiles, "full_state", "write")
         self.wrap(cfiles, "_write_atomic", "write")
 
