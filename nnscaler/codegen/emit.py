@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
-from nnscaler.codegen.layouts import shifted
+from nnscaler.codegen.layouts import relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
 from nnscaler.codegen.pipeline import StagePlan
 from nnscaler.codegen.program import AdapterSpec, OpStep, Program
@@ -35,7 +35,6 @@ from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Plan
-from nnscaler.layout import plan as make_plan
 
 _INDENT = "    "
 _BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
@@ -642,45 +641,52 @@ class _Rank:
             per_unit=self.per_unit,
         )
 
-    def source(self, code: _DeviceCode | None = None) -> str:
+    def source(self, code: _DeviceCode | None = None, shared: _Wrapped | None = None) -> str:
         """The file of this rank; ``code``: this device's :meth:`device_code`, made by a
         rank of another scale unit (it is the same in every unit unless
-        :attr:`_DeviceCode.per_unit`)."""
+        :attr:`_DeviceCode.per_unit`); ``shared``: :func:`program_attributes`."""
         if code is None or code.per_unit:
             code = self.device_code()
         p = self.p
         head = self.docstring(code.where)
         adapters: list[str] = []
+        invariant = relabel_invariant() if code.adapters and self.offset else None
         for spec in code.adapters:
             src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
-            plan = make_plan(src, dst)
+            plan = unit_plan(spec.plan, self.offset, invariant=invariant)
             adapters.append(f"# {spec.label}: {describe_plan(plan)}")
             adapters.append(
                 f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
                 f"dtype={literal(spec.full.dtype)})"
             )
-        cls = ["", "", "class GenModel(ParallelModule):"]
-        attrs_ = [
-            ("rank", self.rank),
-            ("plan_ngpus", p.plan_ngpus),
-            ("runtime_ngpus", p.runtime_ngpus),
-            ("end2end", p.end2end),
-            ("inference_only", p.inference_only),
-            ("process_groups", p.process_groups),
-            ("reducer_groups", p.reducer_groups),
-            ("reducer_config", p.reducer_config),
-        ]
-        cls += [f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_]
-        if self.pipe is not None:
-            cls += self.pipeline_attr()
+        cls = ["", "", "class GenModel(ParallelModule):", f"{_INDENT}rank = {self.rank}"]
+        pipeline = self.pipeline_attr() if self.pipe is not None else []
         # the file is the concatenation of these parts, wrapped line by line: the parts of
-        # the device are wrapped once (outside a string, where every part ends)
+        # the device and of the program are wrapped once (outside a string, where every
+        # part ends)
         parts = [_Wrapped.of(head), code.imports, _Wrapped.of(adapters), code.schedule,
-                 _Wrapped.of(cls), code.body]
+                 _Wrapped.of(cls), shared or program_attributes(p), _Wrapped.of(pipeline),
+                 code.body]
         if any(part.ends_in_string for part in parts):  # a '"""' left open: wrap it whole
             raw = [line for part in parts for line in part.raw]
             return "\n".join(wrap_lines(raw)) + "\n"
         return "\n".join(line for part in parts for line in part.lines) + "\n"
+
+
+def program_attributes(p: Program) -> _Wrapped:
+    """The class attributes of ``GenModel`` after ``rank``: the same in every rank's file
+    (the process groups every rank creates grow with the number of ranks, so they are
+    written out once per program)."""
+    attrs_ = [
+        ("plan_ngpus", p.plan_ngpus),
+        ("runtime_ngpus", p.runtime_ngpus),
+        ("end2end", p.end2end),
+        ("inference_only", p.inference_only),
+        ("process_groups", p.process_groups),
+        ("reducer_groups", p.reducer_groups),
+        ("reducer_config", p.reducer_config),
+    ]
+    return _Wrapped.of([f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_])
 
 
 @attrs.frozen
@@ -765,13 +771,15 @@ def generate(program: Program) -> dict[int, str]:
     The body of a file depends on the rank's device only, so it is made once per device
     of the plan and shared by that device's ranks in the other scale units: the work grows
     with ``plan_ngpus`` x the program, plus ``runtime_ngpus`` x a header, not with
-    ``runtime_ngpus`` x the program."""
+    ``runtime_ngpus`` x the program. The class attributes shared by every rank (the
+    process groups) are written once."""
     codes: dict[int, _DeviceCode] = {}
+    shared = program_attributes(program)
     out: dict[int, str] = {}
     for rank in range(program.runtime_ngpus):
         writer = _Rank(program, rank)
         code = codes.get(writer.device)
         if code is None:
             code = codes[writer.device] = writer.device_code()
-        out[rank] = writer.source(code)
+        out[rank] = writer.source(code, shared)
     return out
