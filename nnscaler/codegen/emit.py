@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -641,30 +642,43 @@ class _Rank:
             per_unit=self.per_unit,
         )
 
-    def source(self, code: _DeviceCode | None = None, shared: _Wrapped | None = None) -> str:
+    def adapter_definition(self, spec: AdapterSpec) -> tuple[str, ...]:
+        """``ADAPTER_{index} = Adapter(...)`` on this scale unit's ranks, under a comment
+        with its steps (the same in every file of the unit that runs the adapter)."""
+        src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
+        invariant = relabel_invariant() if self.offset else None
+        plan = unit_plan(spec.plan, self.offset, invariant=invariant)
+        return (f"# {spec.label}: {describe_plan(plan)}",
+                f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
+                f"dtype={literal(spec.full.dtype)})")
+
+    def source(self, code: _DeviceCode | None = None, shared: _Wrapped | None = None,
+               adapter_lines: dict[tuple[int, int], _Wrapped] | None = None) -> str:
         """The file of this rank; ``code``: this device's :meth:`device_code`, made by a
         rank of another scale unit (it is the same in every unit unless
-        :attr:`_DeviceCode.per_unit`); ``shared``: :func:`program_attributes`."""
+        :attr:`_DeviceCode.per_unit`); ``shared``: :func:`program_attributes`;
+        ``adapter_lines``: :meth:`adapter_definition` by adapter and unit offset, filled
+        as they are made (the ranks of one unit that run an adapter share its lines)."""
         if code is None or code.per_unit:
             code = self.device_code()
         p = self.p
         head = self.docstring(code.where)
-        adapters: list[str] = []
-        invariant = relabel_invariant() if code.adapters and self.offset else None
+        definitions: list[_Wrapped] = []
         for spec in code.adapters:
-            src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
-            plan = unit_plan(spec.plan, self.offset, invariant=invariant)
-            adapters.append(f"# {spec.label}: {describe_plan(plan)}")
-            adapters.append(
-                f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
-                f"dtype={literal(spec.full.dtype)})"
-            )
+            key = (spec.index, self.offset)
+            wrapped = None if adapter_lines is None else adapter_lines.get(key)
+            if wrapped is None:
+                wrapped = _Wrapped.of(self.adapter_definition(spec))
+                if adapter_lines is not None:
+                    adapter_lines[key] = wrapped
+            definitions.append(wrapped)
+        adapters = _Wrapped.joined(definitions)
         cls = ["", "", "class GenModel(ParallelModule):", f"{_INDENT}rank = {self.rank}"]
         pipeline = self.pipeline_attr() if self.pipe is not None else []
         # the file is the concatenation of these parts, wrapped line by line: the parts of
         # the device and of the program are wrapped once (outside a string, where every
         # part ends)
-        parts = [_Wrapped.of(head), code.imports, _Wrapped.of(adapters), code.schedule,
+        parts = [_Wrapped.of(head), code.imports, adapters, code.schedule,
                  _Wrapped.of(cls), shared or program_attributes(p), _Wrapped.of(pipeline),
                  code.body]
         if any(part.ends_in_string for part in parts):  # a '"""' left open: wrap it whole
@@ -699,9 +713,17 @@ class _Wrapped:
     ends_in_string: bool
 
     @classmethod
-    def of(cls, raw: list[str]) -> _Wrapped:
+    def of(cls, raw: Sequence[str]) -> _Wrapped:
         open_ = sum(line.count('"""') for line in raw) % 2 == 1
-        return cls(tuple(raw), tuple(wrap_lines(raw)), open_)
+        return cls(tuple(raw), tuple(wrap_lines(list(raw))), open_)
+
+    @classmethod
+    def joined(cls, parts: Sequence[_Wrapped]) -> _Wrapped:
+        """``parts`` one after the other (wrapped like the whole when none leaves a string
+        open; else marked open, so that the file is wrapped whole)."""
+        return cls(tuple(line for p in parts for line in p.raw),
+                   tuple(line for p in parts for line in p.lines),
+                   any(p.ends_in_string for p in parts))
 
 
 @attrs.frozen
@@ -775,11 +797,12 @@ def generate(program: Program) -> dict[int, str]:
     process groups) are written once."""
     codes: dict[int, _DeviceCode] = {}
     shared = program_attributes(program)
+    adapter_lines: dict[tuple[int, int], _Wrapped] = {}
     out: dict[int, str] = {}
     for rank in range(program.runtime_ngpus):
         writer = _Rank(program, rank)
         code = codes.get(writer.device)
         if code is None:
             code = codes[writer.device] = writer.device_code()
-        out[rank] = writer.source(code, shared)
+        out[rank] = writer.source(code, shared, adapter_lines)
     return out
