@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -66,6 +66,37 @@ def _is_plain(tree: Any) -> bool:
     return pytree.tree_is_leaf(tree)
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.memory_format, torch.layout)
+
+
+def _call_key(x: Any) -> Hashable | None:
+    """A key equal for arguments that generated code writes alike: variables
+    (:class:`Code`) by their text, plain constants by type and value, and lists, tuples,
+    dicts (in order) and slices of those; None for anything else (a tensor constant,
+    an object), which is then written anew."""
+    if isinstance(x, Code):
+        return ("code", x.text)
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # -0.0 == 0.0, but they are written differently
+    if isinstance(x, _PLAIN):
+        return (type(x), x)
+    if x is Ellipsis:
+        return ("...",)
+    if type(x) in (list, tuple):
+        items = [_call_key(v) for v in x]
+        return None if any(k is None for k in items) else (type(x), tuple(items))
+    if type(x) is dict:
+        items = [(k, _call_key(v)) for k, v in x.items()]
+        if any(v is None or not isinstance(k, (str, int)) for k, v in items):
+            return None
+        return (dict, tuple(items))
+    if type(x) is slice:
+        parts = [_call_key(v) for v in (x.start, x.stop, x.step)]
+        return None if any(k is None for k in parts) else ("slice", tuple(parts))
+    return None
+
+
 def _target(tree: Any) -> str | None:
     """An assignment target for a tree of tuples/lists of names, or None."""
     if isinstance(tree, Code):
@@ -98,6 +129,8 @@ class _Rank:
         self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
         self.methods: list[list[str]] = []  # the methods the pieces call
         self.per_unit = False  # the body names this scale unit's ranks (see _DeviceCode)
+        #: the call sources made so far, shared by the writers of one program (see call)
+        self.calls: dict[Hashable, CallSource] | None = None
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -134,7 +167,6 @@ class _Rank:
         return [f"{spec.result} = ADAPTER_{spec.index}({arg})"]
 
     def op_lines(self, step: OpStep, op: Op) -> list[str]:
-        where = self.p.graph.describe(op)
         counter = iter(range(len(step.reads)))
 
         def to_code(x: Any) -> Any:
@@ -151,7 +183,7 @@ class _Rank:
             times = int(op.kwargs.get("times", len(op.outputs)))
             call = CallSource(", ".join([literal(inputs[0])] * times))
         else:
-            call = call_source(op, inputs, kwargs, where=where)
+            call = self.call(op, inputs, kwargs)
         self.imports.update(call.imports)
         self.defs.extend(d for d in call.defs if d not in self.defs)
         lines = list(call.stmts)
@@ -165,6 +197,24 @@ class _Rank:
             src = self.read_var(step, k) if k is not None else self.source_var(before.full)
             lines.append(f"{self.p.variables[after.full]} = {src}")
         return lines
+
+    def call(self, op: Op, inputs: list[Any], kwargs: dict[str, Any]) -> CallSource:
+        """:func:`call_source` for ``op`` reading these variables and constants; the
+        instances of one op on other devices often read the same names (the parts of a
+        split): with :attr:`calls` shared, the source is made once for them all. An op
+        with an ``emit_fn`` (which sees the instance itself) is made for each."""
+        key = None
+        if self.calls is not None and (op.opdef is None or op.opdef.emit_fn is None):
+            args = _call_key((inputs, kwargs))
+            if args is not None:
+                key = (id(op.opdef), op.name, id(op.fn), op.keywords, args)
+                found = self.calls.get(key)
+                if found is not None:
+                    return found
+        call = call_source(op, inputs, kwargs, where=self.p.graph.describe(op))
+        if key is not None and self.calls is not None:
+            self.calls[key] = call
+        return call
 
     def assign(self, op: Op, expr: str, *, statement: bool = False) -> list[str]:
         """``expr`` assigned to the op's output variables (``statement``: the op was a
@@ -798,9 +848,11 @@ def generate(program: Program) -> dict[int, str]:
     codes: dict[int, _DeviceCode] = {}
     shared = program_attributes(program)
     adapter_lines: dict[tuple[int, int], _Wrapped] = {}
+    calls: dict[Hashable, CallSource] = {}
     out: dict[int, str] = {}
     for rank in range(program.runtime_ngpus):
         writer = _Rank(program, rank)
+        writer.calls = calls
         code = codes.get(writer.device)
         if code is None:
             code = codes[writer.device] = writer.device_code()

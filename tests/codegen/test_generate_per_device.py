@@ -98,3 +98,15 @@ def test_wrapped_parts_join_like_the_whole():
     joined = [line for w in wrapped for line in w.lines]
     assert joined == wrap_lines([line for p in parts for line in p])
     assert _Wrapped.of(['s = """open', long]).ends_in_string
+
+
+def test_call_keys_tell_apart_what_is_written_differently():
+    from nnscaler.codegen.emit import _call_key
+    from nnscaler.codegen.literals import Code
+
+    keys = [_call_key(x) for x in (0.0, -0.0, 0, False, (1,), [1], {"a": 1}, {"b": 1},
+                                   Code("x"), "x", slice(1, 2), slice(1, 3), ...)]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert _call_key([Code("t1"), 2]) == _call_key([Code("t1"), 2])
+    assert _call_key(torch.ones(2)) is None and _call_key((1, torch.ones(2))) is None
+    assert _call_key(object()) is None
