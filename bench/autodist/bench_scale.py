@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +43,9 @@ class PhaseClock:
         self._stack: list[float] = []  # time of nested phases, per open frame
 
     def wrap(self, owner: object, attr: str, phase: str) -> None:
-        fn = getattr(owner, attr)
+        fn = getattr(owner, attr, None)
+        if fn is None:  # an older kernel (to compare with): not there
+            return
 
         def timed(*args: object, **kwargs: object) -> object:
             self._stack.append(0.0)
@@ -75,6 +78,7 @@ class PhaseClock:
         cprogram.check_plan = gcheck.check_plan  # build_program imported it by name
         self.wrap(cfiles, "build_program", "codegen")
         self.wrap(cfiles, "generate", "codegen")
+        self.wrap(cfiles, "generate_rank", "codegen")  # older kernels: rank by rank
         self.wrap(cfiles, "full_state", "write")
         self.wrap(cfiles, "_write_atomic", "write")
 
@@ -135,9 +139,14 @@ def main() -> None:
         seconds = time.perf_counter() - t1
         if prof is not None:
             prof.dump_stats(args.profile)
-        files = sorted(name for _, _, names in os.walk(gen) for name in names)
-        written = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(gen)
-                      for n in ns)
+        paths = sorted(os.path.join(d, n) for d, _, ns in os.walk(gen) for n in ns)
+        files = [os.path.basename(p) for p in paths]
+        written = sum(os.path.getsize(p) for p in paths)
+        digest = hashlib.sha256()  # of the generated code: equal digests, equal programs
+        for path in paths:
+            if os.path.basename(path).startswith("gencode"):
+                with open(path, "rb") as f:
+                    digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     phases = {k: round(v, 2) for k, v in clock.seconds.items()}
     phases["other"] = round(seconds - sum(clock.seconds.values()), 2)
     print("phases (s): " + ", ".join(f"{k} {v:.2f}" + (f" ({clock.calls[k]} calls)"
@@ -151,7 +160,8 @@ def main() -> None:
     print(json.dumps({"bench": "autodist_scale", "layers": args.layers, "params": params,
                       "plan_ngpus": args.plan_ngpus, "runtime_ngpus": args.runtime_ngpus,
                       "parallelize_s": round(seconds, 1), "phases_s": phases,
-                      "files": len(files), "bytes": written}))
+                      "files": len(files), "bytes": written,
+                      "gencode_sha256": digest.hexdigest()[:16]}))
 
 
 if __name__ == "__main__":
