@@ -3,14 +3,14 @@
 its estimated step time against the measured one.
 
 Every mode trains the same global batch per step (``--batch`` samples) with Adam through
-``train_step`` (end2end modules): ``dp`` has ``world`` scale units of one device, each on
-``batch / world`` samples; ``data``, ``tp`` and ``hybrid`` (``pipeline_nstages=2``, two
-micro-batches) have one unit of ``world`` devices on the whole batch. ``autodist`` plans
-both unit sizes (``plan_ngpus=1`` and ``plan_ngpus=world`` with ``pipeline_nstages='auto'``
-and ``pipeline_nmicros=2``) and keeps the one whose *estimated* step time is lower (the
-choice is autodist's, before anything is measured); both are timed. The communication
-figures come from :func:`nnscaler_policy_autodist.measure_comm` on the benchmark's own
-process group, the compute profile from ``--profile-dir``.
+``train_step`` (end2end modules), each scale unit on its share of the batch: ``dp`` has
+``world`` units of one device; ``data``, ``tp`` and ``hybrid`` (``pipeline_nstages=2``,
+two micro-batches) one unit of every device (from 4 devices also ``hybrid`` on units of
+half of them). ``autodist`` plans the same global batch for every unit size
+(:func:`autodist_modes`) and the bench keeps the plan whose *estimated* step time is
+lowest (the choice is autodist's, before anything is measured); every plan is timed.
+Autodist measures its own communication figures (on the benchmark's process group) and
+compute profile (``--profile-dir``).
 
 Models: an MLP, the project's GPT at 4 and 24 layers, Hugging Face Llama and Mixtral
 (tiny, random weights). Each case reports the median step (slowest rank) of every mode,
@@ -39,7 +39,23 @@ import torch  # noqa: E402
 from _launch import launch, time_modes  # noqa: E402
 from torch import nn  # noqa: E402
 
-BASELINES = ("dp", "data", "tp", "hybrid")
+
+def baselines(world: int) -> list[str]:
+    """``dp``, ``data``, ``tp`` and ``hybrid`` (two stages, two micro-batches) over every
+    device; with 4 or more devices also ``hybrid`` on units of half of them."""
+    out = ["dp", "data", "tp", "hybrid"]
+    if world >= 4:
+        out.append(f"hybrid@{world // 2}")
+    return out
+
+
+def autodist_modes(world: int) -> list[str]:
+    """autodist asked for every unit size ``d`` dividing the world (``plan_ngpus=d``,
+    data parallel over the ``world / d`` units) with one micro-batch (``autodist@d``) and,
+    for ``d > 1``, with two micro-batches and ``pipeline_nstages='auto'``
+    (``autodist_pp@d``); the bench keeps the one autodist *estimates* fastest."""
+    sizes = [d for d in range(1, world + 1) if world % d == 0]
+    return [f"autodist@{d}" for d in sizes] + [f"autodist_pp@{d}" for d in sizes if d > 1]
 TARGET = 1.05
 
 
@@ -100,19 +116,19 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
 
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
+    base, _, size = name.partition("@")
+    plan = int(size) if size else world
+    policy = base
     pas: dict[str, Any] = {}
-    policy = name
-    if name == "dp":
+    if base == "dp":
         plan = 1
-    elif name == "hybrid":
-        plan, pas = world, {"pipeline_nstages": 2, "pipeline_nmicros": 2}
-    elif name == "autodist_1":
-        plan, policy, pas = 1, "autodist", {"profile_dir": profile_dir}
-    elif name == "autodist_n":
-        plan, policy = world, "autodist"
+    elif base == "hybrid":
+        pas = {"pipeline_nstages": 2, "pipeline_nmicros": 2}
+    elif base == "autodist":
+        policy, pas = "autodist", {"profile_dir": profile_dir}
+    elif base == "autodist_pp":
+        policy = "autodist"
         pas = {"profile_dir": profile_dir, "pipeline_nstages": "auto", "pipeline_nmicros": 2}
-    else:
-        plan = world
     units = world // plan
     unit = rank // plan
     mine = _split(batch, units, unit)
@@ -126,15 +142,12 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
             return g
 
         policy = policy_fn
-    micro = 2 if name == "hybrid" else 1
+    micro = 2 if base in ("hybrid", "autodist_pp") else 1
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
                         pas_config=pas)
-    if name == "autodist_n":
-        # a pipeline needs its micro-batches; ask autodist first (rank 0 plans)
-        micro = 2
     samples = [_split(mine, micro, m) for m in range(micro)]
     pm = parallelize(make_model(kind), {"batch": samples[0]}, policy, cfg, gen_savedir=gen,
-                     instance_name=f"{kind}_{name}")
+                     instance_name=f"{kind}_{name.replace('@', '-')}")
     if rank == 0 and "result" in captured:
         r = captured["result"]
         info = {"estimate_ms": r.pipeline.step_time * 1e3, "stages": r.pipeline.nstages,
@@ -176,13 +189,14 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt4", "gpt24", "llama", "mixtral"])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--modes", nargs="+", default=[*BASELINES, "autodist_1", "autodist_n"])
+    ap.add_argument("--modes", nargs="+", default=None,
+                    help="default: the baselines and autodist's modes for --world")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
                                                           "nnscaler-autodist-bench"))
     args = ap.parse_args()
-    modes = tuple(args.modes)
+    modes = tuple(args.modes or [*baselines(args.world), *autodist_modes(args.world)])
     rows = []
     print(f"CPU, gloo, {args.world} processes of one thread each; global batch {args.batch}; "
           f"{args.steps} timed steps after {args.warmup} (median of the per-step max over "
@@ -202,10 +216,10 @@ def main() -> None:
             per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
             med[m] = statistics.median(per_step)
         infos = results[0]["infos"]
-        ran = [m for m in ("autodist_1", "autodist_n") if m in med and "estimate_ms" in
+        ran = [m for m in med if m.startswith("autodist") and "estimate_ms" in
                infos.get(m, {})]
         chosen = min(ran, key=lambda m: infos[m]["estimate_ms"]) if ran else None
-        base = {m: med[m] for m in BASELINES if m in med}
+        base = {m: med[m] for m in baselines(args.world) if m in med}
         best = min(base, key=base.get) if base else None
         row = {"model": kind, "median_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
                "failed": failed, "autodist_choice": chosen,

@@ -6,7 +6,9 @@
 - :func:`build_optimizer`: an optimizer patched to sync gradients, gather ZeRO shards,
   scale and clip gradients;
 - :func:`broadcast_weights`: initial weights from the ranks that have them;
-- :func:`verify`: the plan against the single-device model, op by op.
+- :func:`verify`: the plan against the single-device model, op by op;
+- :func:`map_over_ranks`, :func:`call_on_every_rank`: work a policy hands to every rank
+  while rank 0 plans (profiling, measuring collectives).
 
 See ``docs/parallelize.md``.
 """
@@ -24,6 +26,7 @@ from nnscaler.parallel.config import (
 from nnscaler.parallel.files import GenFilesError
 from nnscaler.parallel.optimizer import OptimizerError, build_optimizer
 from nnscaler.parallel.verification import Difference, VerifyError, VerifyReport, verify
+from nnscaler.parallel.workers import WorkerError, call_on_every_rank, map_over_ranks
 from nnscaler.runtime.module import ParallelModule
 
 __all__ = [
@@ -42,6 +45,9 @@ __all__ = [
     "build_optimizer",
     "VerifyError",
     "VerifyReport",
+    "WorkerError",
+    "call_on_every_rank",
+    "map_over_ranks",
     "parallelize",
     "verify",
 ]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.errors import NNScalerError
-from nnscaler.parallel import files
+from nnscaler.parallel import files, workers
 from nnscaler.parallel.broadcast import broadcast_gen_files
 from nnscaler.parallel.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.runtime.module import ParallelModule
@@ -328,18 +328,19 @@ class _Generator:
 
 
 # -- rank 0 -> everyone -----------------------------------------------------------------
-def _share_outcome(outcome: Any, src: int = 0) -> Any:
-    """Send rank 0's outcome (``('ok', generated)`` or ``('error', exception)``) to every
-    rank, so that a failure on rank 0 fails every rank instead of hanging them."""
-    if outcome is not None and outcome[0] == "error":
+def _share_outcome(outcome: Any) -> Any:
+    """Rank 0 sends its outcome (``('ok', generated, digests)`` or ``('error',
+    exception)``) to every rank, so that a failure on rank 0 fails every rank instead of
+    hanging them; the other ranks serve the policy's work (:mod:`.workers`) until then."""
+    if dist.get_rank() != 0:
+        return workers.serve()
+    if outcome[0] == "error":
         try:
             pickle.dumps(outcome[1])
         except Exception:  # noqa: BLE001 - an exception that does not pickle
             exc = outcome[1]
             outcome = ("error", ParallelizeError(f"{type(exc).__name__}: {exc}"))
-    box = [outcome]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return workers.finish(outcome)
 
 
 def parallelize(
@@ -419,7 +420,8 @@ def parallelize(
                 gen = _Generator(module_or_module_class, is_class, dummy_forward_args,
                                  pas_policy, policy_fn, compute_config, outdir, reuse,
                                  instance_name, module_fn, module_dtype)
-                generated = gen.run()
+                with workers._ranks_listening() if distributed else contextlib.nullcontext():
+                    generated = gen.run()
                 outcome = ("ok", generated, _code_digests(outdir))
             except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
                 if not distributed:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,7 +21,7 @@ import attrs
 
 from nnscaler.layout import Plan
 
-__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "measure_comm"]
+__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_comm"]
 
 logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
@@ -122,37 +121,60 @@ def _cache_file(profile_dir: Path, device: str) -> Path:
 
 
 def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23),
-                 repeat: int = 5) -> dict[str, float] | None:
+                 repeat: int = 9) -> dict[str, float] | None:
     """Measure all-reduce on the present ``torch.distributed`` group and cache the fitted
     latency and bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
-    ``autodist`` runs on rank 0 only (inside ``parallelize``), where it cannot start a
-    collective, so call this once before ``parallelize``; the plan then uses the figures.
+    Each all-reduce is timed as training meets it: through the runtime's adapter, right
+    after a short computation, so that its time includes the adapter's bookkeeping and
+    waiting for the slowest rank (on a CPU whose cores are shared,
+    ~1 ms per collective more than back-to-back calls show), and the median of
+    ``repeat`` is kept.
+
+    ``autodist`` calls it itself, through :func:`nnscaler.parallel.call_on_every_rank`,
+    the first time it plans inside a distributed ``parallelize`` with no figures cached.
     """
+    import statistics
+
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
+    from nnscaler.layout import Layout, plan
+    from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
     from nnscaler.runtime.device import current_device, device_type
 
     dev = current_device() if device_type() == "cuda" else torch.device("cpu")
     g = dist.get_world_size()
+    work = torch.randn(192, 192, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     points = []
     for size in sizes:
-        x = torch.ones(size // 4, dtype=torch.float32, device=dev)
-        dist.all_reduce(x)
-        dist.barrier()
-        best = math.inf
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        points.append((size, best))
+        # through the runtime, as generated code runs it (its bookkeeping included)
+        shape = (size // 4,)
+        reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
+        ensure_groups(plan_groups(reduce))
+        x = torch.ones(shape, dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            execute_plan(reduce, x)
+            dist.barrier()
+            samples = []
+            for _ in range(repeat):
+                for _ in range(2):
+                    work @ work  # the computation a collective follows in training
+                sync()
+                t0 = time.perf_counter()
+                execute_plan(reduce, x)
+                sync()
+                samples.append(time.perf_counter() - t0)
+        points.append((size, statistics.median(samples)))
     # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
     (s0, t0), (s1, t1) = points[0], points[-1]
     k = 2 * (g - 1) / g
@@ -166,6 +188,13 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
         tmp.write_text(json.dumps(figures, indent=1))
         tmp.replace(path)
     return figures
+
+
+def comm_measured(profile_dir: Path | str) -> bool:
+    """Whether :func:`measure_comm` cached figures for this device type there."""
+    from nnscaler.runtime.device import device_type
+
+    return _cache_file(Path(profile_dir), device_type()).is_file()
 
 
 def device_spec(device: str | None, profile_dir: Path) -> DeviceSpec:

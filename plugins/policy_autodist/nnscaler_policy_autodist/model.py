@@ -14,9 +14,11 @@ op's rules), part ``p`` on device ``p``. For an option the model knows, per devi
 - gradient synchronisation: a weight held replicated by an op that is split computes a
   partial gradient on each device, summed over the ``k`` devices; every weight's piece is
   summed over the data-parallel scale units (``runtime_ngpus / plan_ngpus``);
-- the optimizer's step over the weights it is the first to read (memory bound);
+- the optimizer's step over the weights it is the first to read (measured for Adam:
+  per parameter and per byte; memory bound for a named device);
 - ``mem``: bytes of the weights it is the first to read (parameter, gradient and
-  optimizer state, the state divided over the units under ZeRO) and of the activations
+  optimizer state; under ZeRO the state divided over the units, plus the shard the
+  optimizer steps and its gradient) and of the activations
   it keeps for backward (its outputs, when gradients flow and it is not recomputed).
 
 An edge between the producer of an activation and a consumer costs the layout plan from
@@ -168,11 +170,12 @@ class CostModel:
                 piece = (full.numel if need is None else need.piece_numel) * full.dtype.itemsize
                 if full.requires_grad:
                     opt = self.opt_state * piece / (self.units if self.zero else 1)
+                    if self.zero:  # the shard the optimizer steps, and its gradient
+                        opt += 2 * piece / self.units
                     mem += 2 * piece + opt
-                    # the optimizer's step reads and writes the piece, its gradient and
-                    # state: about (3 + 2 * opt_state) passes over it, memory bound
-                    compute += (3 + 2 * self.opt_state) * piece / (
-                        self.units if self.zero else 1) / self.comm.spec.mem_bw
+                    # the optimizer's step over the piece (its shard under ZeRO)
+                    compute += self.profiler.optimizer_time(
+                        piece / (self.units if self.zero else 1), self.opt_state)
                     if t is not None and need is not None and need.r > 1:
                         comm += self.comm.allreduce_time(piece, need.r)  # partial gradients
                     comm += self.comm.allreduce_time(piece, self.units,

@@ -28,7 +28,7 @@ from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve
 
-__all__ = ["PipelinePlan", "inflight", "search_pipeline", "step_time"]
+__all__ = ["PipelinePlan", "inflight", "search_pipeline", "stage_counts", "step_time"]
 
 logger = logging.getLogger("nnscaler.autodist.pipeline")  # under nnscaler's loggers
 
@@ -155,8 +155,38 @@ def _plan_for(ops: Sequence[Op], n: int, s: int, model: CostModel, cfg: AutoDist
             sols.append(mine)
         else:
             sols.append(solve(problem, limit, cfg.solver, held, verbose=cfg.verbose))
+    sols = [attrs.evolve(x, time=x.time + extra, comm=x.comm + extra)
+            for x, extra in zip(sols, _sends(whole, sol.choice, bounds, model))]
     return (PipelinePlan(tuple(starts), k, nmicros, cfg.pipeline_scheduler,
                          step_time([x.time for x in sols], nmicros)), problems, sols)
+
+
+def _sends(problem: StageProblem, choice: Sequence[int], bounds: Sequence[int],
+           model: CostModel) -> list[float]:
+    """Per stage: seconds per micro-batch to receive the activations that earlier stages
+    produce for it, point to point, each device its piece (and to send their gradients
+    back)."""
+    stage_of = {}
+    for s in range(len(bounds) - 1):
+        for i in range(bounds[s], bounds[s + 1]):
+            stage_of[i] = s
+    written = {}
+    for i, opts in enumerate(problem.options):
+        for full, lay in opts[choice[i]].writes:
+            written[full] = (i, lay)
+    extra = [0.0] * (len(bounds) - 1)
+    seen = set()
+    for j, op in enumerate(problem.ops):
+        for x in op.input_tensors():
+            src = written.get(x.full)
+            if src is None or stage_of[src[0]] == stage_of[j] or (x.full, stage_of[j]) in seen:
+                continue
+            seen.add((x.full, stage_of[j]))
+            lay = src[1]
+            piece = x.full.numel if lay is None else lay.piece_numel
+            once = model.comm.step_time([(0, 1)], piece, x.full.dtype.itemsize)
+            extra[stage_of[j]] += 2 * once if x.full.requires_grad else once
+    return extra
 
 
 def _slice(problem: StageProblem, lo: int, hi: int) -> StageProblem:
@@ -171,31 +201,37 @@ def _slice(problem: StageProblem, lo: int, hi: int) -> StageProblem:
                         rep=rep, k=problem.k)
 
 
-def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistConfig,
-                    limit: float | None, nmicros: int, outputs: Sequence[SubTensor]
-                    ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]]:
-    """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows."""
-    outs = {t.full for t in outputs}
+def stage_counts(n: int, cfg: AutoDistConfig, nops: int) -> list[int]:
+    """The numbers of stages the search tries for ``plan_ngpus=n`` (each stage then has
+    ``n // s`` devices)."""
     if cfg.pipeline_nstages == "auto":
-        counts = [s for s in range(1, n + 1) if n % s == 0 and s <= len(ops)]
+        counts = [s for s in range(1, n + 1) if n % s == 0 and s <= nops]
         if cfg.pipeline_nmicros is None:
             logger.info("autodist: pipeline_nstages='auto' without pipeline_nmicros: "
                         "considering one stage only (set pipeline_nmicros to try pipelines)")
             counts = [1]
         if cfg.max_partition_degree is not None:
             counts = [s for s in counts if n // s <= cfg.max_partition_degree] or [n]
-    else:
-        s = int(cfg.pipeline_nstages)
-        if n % s:
-            raise AutoDistError(
-                f"policy 'autodist': pipeline_nstages={s} must divide plan_ngpus={n} (each "
-                f"stage gets plan_ngpus / pipeline_nstages devices); use one of "
-                f"{[d for d in range(1, n + 1) if n % d == 0]}")
-        if s > 1 and cfg.pipeline_nmicros is None:
-            raise AutoDistError(
-                f"policy 'autodist': pipeline_nstages={s} needs pas_config['pipeline_nmicros'] "
-                f"(the micro-batches of each train_step), e.g. {2 * s}")
-        counts = [s]
+        return counts
+    s = int(cfg.pipeline_nstages)
+    if n % s:
+        raise AutoDistError(
+            f"policy 'autodist': pipeline_nstages={s} must divide plan_ngpus={n} (each "
+            f"stage gets plan_ngpus / pipeline_nstages devices); use one of "
+            f"{[d for d in range(1, n + 1) if n % d == 0]}")
+    if s > 1 and cfg.pipeline_nmicros is None:
+        raise AutoDistError(
+            f"policy 'autodist': pipeline_nstages={s} needs pas_config['pipeline_nmicros'] "
+            f"(the micro-batches of each train_step), e.g. {2 * s}")
+    return [s]
+
+
+def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistConfig,
+                    limit: float | None, nmicros: int, outputs: Sequence[SubTensor]
+                    ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]]:
+    """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows."""
+    outs = {t.full for t in outputs}
+    counts = stage_counts(n, cfg, len(ops))
     best = None
     failures: list[NoPlanFits] = []
     for s in counts:

@@ -24,12 +24,13 @@ import attrs
 
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import Graph, Op
+from nnscaler.parallel import call_on_every_rank
 from nnscaler.policies.common import as_policy_graph, get_plan_ngpus
-from nnscaler_policy_autodist.comm import CommModel, device_spec
+from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
 from nnscaler_policy_autodist.model import CostModel, StageProblem
-from nnscaler_policy_autodist.pipeline import PipelinePlan, search_pipeline
+from nnscaler_policy_autodist.pipeline import PipelinePlan, search_pipeline, stage_counts
 from nnscaler_policy_autodist.profile import ComputeProfiler
 from nnscaler_policy_autodist.spmd import Solution
 
@@ -90,10 +91,13 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
     zero = bool(getattr(compute_config, "use_zero", False))
     g = as_policy_graph(graph)
     ops = g.nodes()
-    spec = device_spec(cfg.device_type, cfg.profile_dir)
     from nnscaler.runtime.device import device_type
 
     here = cfg.device_type in (None, device_type())
+    if here and not comm_measured(cfg.profile_dir):
+        # every rank takes part (while rank 0 plans); alone, there is nothing to measure
+        call_on_every_rank(measure_comm, cfg.profile_dir)
+    spec = device_spec(cfg.device_type, cfg.profile_dir)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
@@ -103,6 +107,9 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
                       max_degree=cfg.max_partition_degree)
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     nmicros = cfg.pipeline_nmicros or 1
+    if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
+        profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops))
+                           for op in ops for t in model.transforms(op, n // s)])
     if cfg.load_plan_path is not None:
         pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, model,
                                                     nmicros)

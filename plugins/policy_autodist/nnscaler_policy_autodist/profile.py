@@ -2,7 +2,7 @@
 
 For an op split by a transform (or whole), :class:`ComputeProfiler` runs one part,
 forward then backward, on tensors of the part's shapes (random floats, zeros for
-integers, ``True`` for masks), and keeps the fastest time. The cache is a JSON file per
+integers, ``True`` for masks), a few times, and keeps the mean without the slowest call. The cache is a JSON file per
 device under the profile directory, keyed by op name, shapes, dtypes, keyword arguments,
 the split and its number of parts: a second compile profiles nothing.
 
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.utils._pytree as pytree
 
@@ -36,7 +37,8 @@ from nnscaler.ir import Op, SubTensor, tensors_in
 from nnscaler.policies.costs import op_work, part_piece
 from nnscaler_policy_autodist.comm import DeviceSpec
 
-__all__ = ["ComputeProfiler", "analytic_time", "device_key"]
+__all__ = ["ComputeProfiler", "ProfileJob", "TensorSpec", "analytic_time", "device_key",
+           "measure_adam", "run_job"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
 
@@ -75,9 +77,8 @@ def analytic_time(op: Op, spec: DeviceSpec, num: int = 1) -> tuple[float, float]
     return fw, (2 * fw if _grads(op) else 0.0)
 
 
-def _make(piece: SubTensor, device: torch.device, grad: bool) -> torch.Tensor:
-    dtype = piece.full.dtype
-    shape = tuple(b - a for a, b in piece.indmap)
+def _make(spec: TensorSpec, device: torch.device, grad: bool) -> torch.Tensor:
+    dtype, shape = spec.dtype, spec.shape
     if dtype.is_floating_point or dtype.is_complex:
         t = torch.randn(shape, dtype=dtype, device=device)
         return t.requires_grad_(grad)
@@ -116,6 +117,22 @@ class ComputeProfiler:
             self._memo[memo] = self._time(op, t, num if t is not None else 1)
         return self._memo[memo]
 
+    def optimizer_time(self, nbytes: float, opt_state: float = 2.0) -> float:
+        """Seconds of the optimizer's step over one parameter of ``nbytes`` on a device
+        (its gradient and ``opt_state`` states of the same size). Measured here once:
+        ``torch.optim.Adam`` on one large parameter and on many small ones, giving a cost
+        per parameter and per byte (scaled to ``opt_state`` states); for a named device,
+        memory bound: ``3 + 2 * opt_state`` passes over the bytes."""
+        passes = 3 + 2 * opt_state
+        if not self.measure:
+            return passes * nbytes / self.spec.mem_bw
+        key = "optimizer|torch.optim.Adam|float32"
+        if key not in self._table:
+            self._table[key] = list(measure_adam())
+            self._dirty = True
+        per_param, per_byte = self._table[key]
+        return per_param + per_byte * nbytes * passes / 7.0
+
     def save(self) -> None:
         """Write the cache (atomically) when something new was measured."""
         if not self._dirty:
@@ -126,19 +143,43 @@ class ComputeProfiler:
         tmp.replace(self.path)
         self._dirty = False
 
+    def prefetch(self, requests: Sequence[tuple[Op, Transform | None, int]]) -> int:
+        """Measure every ``(op, t, num)`` of ``requests`` missing from the cache, spread
+        over the ranks while rank 0 plans (:func:`nnscaler.parallel.map_over_ranks`: each
+        time is then taken while every device computes, as in training); returns how
+        many were measured. Later :meth:`time` calls find them in the cache."""
+        if not self.measure:
+            return 0
+        jobs: dict[str, tuple[ProfileJob, Op, int]] = {}
+        for op, t, num in requests:
+            found = self._job(op, t, num if t is not None else 1)
+            if found is not None:
+                key, job, scale = found
+                if key not in self._table and key not in jobs:
+                    jobs[key] = (job, op, num * scale)
+        if not jobs:
+            return 0
+        from nnscaler.parallel import map_over_ranks
+
+        times = map_over_ranks(run_job, [job for job, _, _ in jobs.values()])
+        for (key, (job, op, parts)), got in zip(jobs.items(), times):
+            self._store(key, job, op, parts, got)
+        return len(jobs)
+
     # -- internals ---------------------------------------------------------------------
-    def _time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
-        if not self.measure or op.opdef is None or op.anno is None:
-            return analytic_time(op, self.spec, num)
+    def _job(self, op: Op, t: Transform | None, num: int
+             ) -> tuple[str, ProfileJob, int] | None:
+        """The cache key, the job that measures it and its work ratio (``None``: the op
+        cannot run alone, estimate it)."""
+        if op.opdef is None or op.anno is None:
+            return None
         opdef = op.opdef
         if t is not None and t.part_op is not None:
             from nnscaler.plugins import get_plugin_manager
 
             opdef = get_plugin_manager().ops.get(t.part_op)
         if opdef.collective:
-            # its parts talk to each other: estimate from the whole op
-            fw, bw = self.time(op, None, 1)
-            return fw / num, bw / num
+            return None
         inputs = [part_piece(x, t.inputs[k], num, 0) if isinstance(x, SubTensor)
                   and t is not None else x for k, x in enumerate(op.inputs)]
         kwargs = dict(op.kwargs) if t is None else op.opdef.part_kwargs(t, op.kwargs, 0)
@@ -147,18 +188,35 @@ class ComputeProfiler:
         if size > self.max_bytes:
             shrunk = self._shrink(op, t, num, inputs, kwargs, size)
             if shrunk is None:
-                return analytic_time(op, self.spec, num)
+                return None
             inputs, kwargs, scale = shrunk
-        key = self._key(opdef.name, inputs, kwargs, op)
+        job = ProfileJob(op=opdef.name, args=pytree.tree_map(_spec, list(inputs)),
+                         kwargs=pytree.tree_map(_spec, kwargs), grads=_grads(op))
+        return self._key(opdef.name, inputs, kwargs, op), job, scale
+
+    def _store(self, key: str, job: ProfileJob, op: Op, parts: int,
+               got: tuple[float, float] | str) -> None:
+        if isinstance(got, str):  # made-up values the op rejects: estimate it
+            logger.debug("autodist: cannot profile %s (%s); estimating", job.op, got)
+            got = analytic_time(op, self.spec, parts)
+        self._table[key] = list(got)
+        self._dirty = True
+        self.profiled += 1
+
+    def _time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
+        if not self.measure:
+            return analytic_time(op, self.spec, num)
+        found = self._job(op, t, num)
+        if found is None:
+            if t is not None and op.anno is not None and op.opdef is not None \
+                    and not op.opdef.collective:
+                # parts that talk to each other (a collective part op): the whole's share
+                fw, bw = self.time(op, None, 1)
+                return fw / num, bw / num
+            return analytic_time(op, self.spec, num)
+        key, job, scale = found
         if key not in self._table:
-            try:
-                self._table[key] = list(self._run(opdef, inputs, kwargs, _grads(op)))
-            except Exception as e:  # noqa: BLE001 - made-up values an op rejects
-                logger.debug("autodist: cannot profile %s (%s: %s); estimating",
-                             op.name, type(e).__name__, e)
-                self._table[key] = list(analytic_time(op, self.spec, num * scale))
-            self._dirty = True
-            self.profiled += 1
+            self._store(key, job, op, num * scale, run_job(job))
         fw, bw = self._table[key]
         return fw * scale, bw * scale
 
@@ -196,18 +254,84 @@ class ComputeProfiler:
         leaves = pytree.tree_map(show, (list(inputs), kwargs))
         return f"{name}|{leaves}|{'nograd' if op.no_grad else 'grad'}"
 
-    def _run(self, opdef: Any, inputs: Sequence[Any], kwargs: dict[str, Any],
-             grads: bool) -> tuple[float, float]:
-        from nnscaler.runtime.device import current_device, device_type
+@attrs.frozen
+class TensorSpec:
+    """A tensor to make up for profiling: its shape and dtype."""
 
-        device = current_device() if device_type() == "cuda" else torch.device("cpu")
-        cuda = device.type == "cuda"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, SubTensor):
+        return TensorSpec(tuple(b - a for a, b in x.indmap), x.full.dtype)
+    return x
+
+
+@attrs.frozen
+class ProfileJob:
+    """One measurement, as it travels to another rank: the registered op's name, its
+    arguments with :class:`TensorSpec` for tensors, and whether gradients flow."""
+
+    op: str
+    args: Any
+    kwargs: Any
+    grads: bool
+
+
+def _balanced_grouped_mm(args: list[Any], kw: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """``torch._grouped_mm``'s ``offs`` ends every group: zeros would make every group
+    empty and the call free. Balanced groups (an even routing of tokens to experts) cost
+    what a trained router costs on average."""
+    a = args[0]
+    b = args[1] if len(args) > 1 else kw.get("mat2")
+    offs_in_kw = "offs" in kw
+    offs = kw["offs"] if offs_in_kw else (args[2] if len(args) > 2 else None)
+    if not isinstance(offs, torch.Tensor) or not isinstance(a, torch.Tensor) \
+            or not isinstance(b, torch.Tensor):
+        return args, kw
+    if a.dim() == 2 and b.dim() == 3:
+        length = a.shape[0]
+    elif a.dim() == 3 and b.dim() == 2:
+        length = b.shape[-1]
+    else:
+        length = a.shape[-1]
+    align = max(1, 16 // a.element_size())
+    groups = offs.numel()
+    ends = [min(length, (length * (i + 1) // groups) // align * align) for i in range(groups)]
+    ends[-1] = length
+    balanced = torch.tensor(ends, dtype=offs.dtype, device=offs.device)
+    if offs_in_kw:
+        return args, {**kw, "offs": balanced}
+    return [*args[:2], balanced, *args[3:]], kw
+
+
+#: Ops whose cost depends on the values of integer arguments (made up as zeros): how to
+#: make values of the usual cost from the made-up arguments, by registered op name.
+VALUE_MAKERS: dict[str, Any] = {"torch._grouped_mm": _balanced_grouped_mm}
+
+
+def run_job(job: ProfileJob) -> tuple[float, float] | str:
+    """Run ``job`` on this rank's device: the (forward, backward) seconds of a few
+    calls after a warm-up (the mean, slowest dropped); or the error's text when the op
+    rejects made-up values."""
+    from nnscaler.plugins import get_plugin_manager
+    from nnscaler.runtime.device import current_device, device_type
+
+    device = current_device() if device_type() == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
+    grads = job.grads
+    try:
+        opdef = get_plugin_manager().ops.get(job.op)
 
         def build(x: Any) -> Any:
-            return _make(x, device, grads) if isinstance(x, SubTensor) else x
+            return _make(x, device, grads) if isinstance(x, TensorSpec) else x
 
-        args = pytree.tree_map(build, list(inputs))
-        kw = pytree.tree_map(build, kwargs)
+        args = pytree.tree_map(build, job.args)
+        kw = pytree.tree_map(build, job.kwargs)
+        shape_values = VALUE_MAKERS.get(job.op)
+        if shape_values is not None:
+            args, kw = shape_values(args, kw)
         leaves = [x for x in pytree.tree_leaves((args, kw))
                   if isinstance(x, torch.Tensor) and x.requires_grad]
 
@@ -238,9 +362,43 @@ class ComputeProfiler:
                 fw, bw = once()
                 samples.append((fw, bw))
                 spent += fw + bw
-        # the fastest sample: what the device does when nothing else competes for it
-        # (other samples are the op plus noise from other processes)
-        return min(s[0] for s in samples), min(s[1] for s in samples)
+    except Exception as e:  # noqa: BLE001 - made-up values an op rejects
+        return f"{type(e).__name__}: {e}"
+    # the mean without the slowest sample (a page fault, a collection): what the op costs
+    # while the ranks share the machine as they do in training (spread profiling runs on
+    # every rank at once); the fastest sample alone would miss the time a core shared by
+    # two ranks spends on the other one
+    samples.sort(key=lambda x: x[0] + x[1])
+    kept = samples[:-1]
+    return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
+
+
+def measure_adam(large: int = 1 << 20, small: int = 256, count: int = 64,
+                 steps: int = 5) -> tuple[float, float]:
+    """(seconds per parameter, seconds per byte) of ``torch.optim.Adam``'s step here."""
+    from nnscaler.runtime.device import current_device, device_type
+
+    device = current_device() if device_type() == "cuda" else torch.device("cpu")
+
+    def timed(params: list[torch.Tensor]) -> float:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        opt.step()  # creates the states
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    many = timed([torch.zeros(small, device=device, requires_grad=True) for _ in range(count)])
+    one = timed([torch.zeros(large, device=device, requires_grad=True)])
+    per_param = max(many - count * small * (one / large), 0.0) / count
+    per_byte = max(one - per_param, 0.0) / (4 * large)
+    return per_param, per_byte
 
 
 def tensors_of(op: Op) -> list[SubTensor]:

@@ -27,6 +27,50 @@ def test_measured_comm_is_cached_and_used(tmp_path):
     assert measure_comm(tmp_path) is None  # no process group here
 
 
+def recording_run_job(job):
+    """``run_job``, leaving a file per measurement that names the rank that made it."""
+    import os
+
+    import torch.distributed as dist
+    from nnscaler_policy_autodist import profile
+
+    out = os.environ["AUTODIST_TEST_JOBS"]
+    with open(os.path.join(out, f"{dist.get_rank()}-{os.getpid()}-{len(os.listdir(out))}"),
+              "w") as f:
+        f.write(job.op)
+    return profile.measure_job(job)
+
+
+def _plan_in_parallelize(rank, world, profile_dir, gen):
+    from nnscaler import ComputeConfig, parallelize
+    from nnscaler.models import MLP, MLPConfig
+
+    model = MLP(MLPConfig(d_in=16, d_hidden=32, n_classes=4, n_layers=2))
+    batch = {"x": torch.randn(8, 16), "y": torch.randint(4, (8,))}
+    parallelize(model, {"batch": batch}, "autodist",
+                ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_end2end=True,
+                              pas_config={"profile_dir": profile_dir}),
+                gen_savedir=gen, load_module=False)
+
+
+def test_profiling_and_comm_are_measured_on_every_rank(tmp_path, monkeypatch):
+    from nnscaler_policy_autodist import profile
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    monkeypatch.setenv("AUTODIST_TEST_JOBS", str(jobs))
+    monkeypatch.setattr(profile, "measure_job", profile.run_job, raising=False)
+    monkeypatch.setattr(profile, "run_job", recording_run_job)
+    prof = tmp_path / "profile"
+    run_distributed(_plan_in_parallelize, 2, str(prof), str(tmp_path / "gen"))
+    ranks = [name.name.split("-")[0] for name in jobs.iterdir()]
+    assert ranks.count("0") > 0 and ranks.count("1") > 0, ranks  # both ranks measured
+    assert abs(ranks.count("0") - ranks.count("1")) <= 1  # in equal shares
+    assert (prof / "comm-cpu.json").is_file()  # measured without being asked
+    table = next(prof.glob("compute-*.json")).read_text()
+    assert table.count("|") >= 2 * len(ranks)  # every measurement reached rank 0's cache
+
+
 def test_comm_model_prefers_nvlink_inside_a_node():
     comm = CommModel(DEVICE_SPECS["H100"])
     inside = comm.step_time([(0, 1, 2, 3)], 1e6, 2)
@@ -83,3 +127,32 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     with pytest.raises(AutoDistError, match=r"pip install 'nnscaler-policy-autodist\[plot\]'"):
         report.plot(None, tmp_path / "x.png")
+
+
+def test_grouped_mm_is_profiled_with_balanced_groups():
+    from nnscaler_policy_autodist.profile import VALUE_MAKERS, ProfileJob, TensorSpec, run_job
+
+    make = VALUE_MAKERS["torch._grouped_mm"]
+    a, b = torch.randn(96, 16), torch.randn(4, 16, 8)
+    offs = torch.zeros(4, dtype=torch.int32)  # what the profiler makes up: every group empty
+    _, kw = make([a, b], {"offs": offs})
+    assert kw["offs"].tolist() == [24, 48, 72, 96] and kw["offs"].dtype == torch.int32
+    args, _ = make([b.transpose(1, 2).reshape(32, 16)[:, :16].reshape(2, 16, 16),
+                    torch.randn(16, 40), offs[:2]], {})
+    assert args[2].tolist()[-1] == 40  # the columns of mat2 are grouped
+    if hasattr(torch, "_grouped_mm"):
+        job = ProfileJob(op="torch._grouped_mm",
+                         args=[TensorSpec((96, 16), torch.float32),
+                               TensorSpec((4, 16, 8), torch.float32)],
+                         kwargs={"offs": TensorSpec((4,), torch.int32)}, grads=True)
+        fw, bw = run_job(job)
+        assert fw > 0 and bw > 0
+
+
+def test_optimizer_time_is_measured_here_and_analytic_for_a_named_device(tmp_path):
+    here = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path, measure=True)
+    small, large = here.optimizer_time(1024), here.optimizer_time(64 * 2**20)
+    assert 0 < small < large
+    assert here.optimizer_time(1024, opt_state=0) < small  # SGD's step moves fewer bytes
+    h100 = ComputeProfiler(DEVICE_SPECS["H100"], tmp_path, measure=False)
+    assert h100.optimizer_time(2**30) == pytest.approx(7 * 2**30 / DEVICE_SPECS["H100"].mem_bw)
