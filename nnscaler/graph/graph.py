@@ -253,7 +253,8 @@ class IRGraph(Graph):
         """Where ``op`` is in :attr:`ops`. Policies mostly replace ops in program order, so
         the search starts where the last replacement ended (linear in the distance, not in
         the graph: partitioning every op stays linear) and wraps around."""
-        hint = self._hint if self._hint < len(self.ops) else 0
+        hint = getattr(self, "_hint", 0)  # (a graph unpickled from an older version)
+        hint = hint if hint < len(self.ops) else 0
         try:
             return self.ops.index(op, hint)
         except ValueError:
