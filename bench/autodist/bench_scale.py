@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +29,58 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 TARGET_S = 60.0
+PHASES = ("trace", "search", "apply", "check", "codegen", "write")
+
+
+class PhaseClock:
+    """Exclusive wall time per phase: each named function is wrapped so that its time,
+    less the time of phases nested in it, goes to its phase (a check inside codegen counts
+    as check). What no phase covers is ``other`` (report, fingerprints, saving the graph)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.calls = dict.fromkeys(PHASES, 0)
+        self._stack: list[float] = []  # time of nested phases, per open frame
+
+    def wrap(self, owner: object, attr: str, phase: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None:  # an older kernel (to compare with): not there
+            return
+
+        def timed(*args: object, **kwargs: object) -> object:
+            self._stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - t0
+                nested = self._stack.pop()
+                self.seconds[phase] += spent - nested
+                self.calls[phase] += 1
+                if self._stack:
+                    self._stack[-1] += spent
+
+        setattr(owner, attr, timed)
+
+    def install(self) -> None:
+        import nnscaler_policy_autodist.policy as policy
+
+        import nnscaler.codegen.files as cfiles
+        import nnscaler.graph.check as gcheck
+        import nnscaler.trace as ntrace
+
+        self.wrap(ntrace, "trace", "trace")
+        self.wrap(policy, "search_pipeline", "search")
+        self.wrap(policy, "_apply", "apply")
+        self.wrap(gcheck, "check_plan", "check")
+        import nnscaler.codegen.program as cprogram
+
+        cprogram.check_plan = gcheck.check_plan  # build_program imported it by name
+        self.wrap(cfiles, "build_program", "codegen")
+        self.wrap(cfiles, "generate", "codegen")
+        self.wrap(cfiles, "generate_rank", "codegen")  # older kernels: rank by rank
+        self.wrap(cfiles, "full_state", "write")
+        self.wrap(cfiles, "_write_atomic", "write")
 
 
 class WithLoss(nn.Module):
@@ -45,6 +98,7 @@ def main() -> None:
     ap.add_argument("--plan-ngpus", type=int, default=64)
     ap.add_argument("--runtime-ngpus", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--profile", metavar="PATH", help="also write a cProfile of parallelize")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nnscaler.autodist").setLevel(logging.INFO)
@@ -67,18 +121,47 @@ def main() -> None:
         use_zero=True, trace_strategy="meta",
         pas_config={"device_type": "H100", "mem_constraint": 80, "pipeline_nstages": "auto",
                     "pipeline_nmicros": 16, "max_partition_degree": 8})
+    clock = PhaseClock()
+    clock.install()
     with tempfile.TemporaryDirectory() as gen:
+        prof = None
+        if args.profile:
+            import cProfile
+
+            prof = cProfile.Profile()
         t1 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         parallelize(model, {"batch": {"input_ids": ids, "labels": ids}}, "autodist", compute,
                     gen_savedir=gen, load_module=False)
+        if prof is not None:
+            prof.disable()
         seconds = time.perf_counter() - t1
-        files = sorted(name for _, _, names in os.walk(gen) for name in names)
+        if prof is not None:
+            prof.dump_stats(args.profile)
+        paths = sorted(os.path.join(d, n) for d, _, ns in os.walk(gen) for n in ns)
+        files = [os.path.basename(p) for p in paths]
+        written = sum(os.path.getsize(p) for p in paths)
+        digest = hashlib.sha256()  # of the generated code: equal digests, equal programs
+        for path in paths:
+            if os.path.basename(path).startswith("gencode"):
+                with open(path, "rb") as f:
+                    digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    phases = {k: round(v, 2) for k, v in clock.seconds.items()}
+    phases["other"] = round(seconds - sum(clock.seconds.values()), 2)
+    print("phases (s): " + ", ".join(f"{k} {v:.2f}" + (f" ({clock.calls[k]} calls)"
+                                                       if clock.calls.get(k, 1) > 1 else "")
+                                      for k, v in phases.items()))
     print(f"Llama {args.layers} layers, {params / 1e9:.1f} B parameters (meta), built in "
           f"{built:.1f} s; parallelize(load_module=False) for {args.runtime_ngpus} devices "
           f"(plan_ngpus {args.plan_ngpus}): {seconds:.1f} s (goal < {TARGET_S} s): "
-          f"{'ok' if seconds < TARGET_S else 'MISSED'}; {len(files)} files written")
+          f"{'ok' if seconds < TARGET_S else 'MISSED'}; {len(files)} files written "
+          f"({written / 1e6:.1f} MB)")
     print(json.dumps({"bench": "autodist_scale", "layers": args.layers, "params": params,
-                      "parallelize_s": round(seconds, 1), "files": len(files)}))
+                      "plan_ngpus": args.plan_ngpus, "runtime_ngpus": args.runtime_ngpus,
+                      "parallelize_s": round(seconds, 1), "phases_s": phases,
+                      "files": len(files), "bytes": written,
+                      "gencode_sha256": digest.hexdigest()[:16]}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -26,7 +27,7 @@ import torch.utils._pytree as pytree
 from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
-from nnscaler.codegen.layouts import shifted
+from nnscaler.codegen.layouts import relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
 from nnscaler.codegen.pipeline import StagePlan
 from nnscaler.codegen.program import AdapterSpec, OpStep, Program
@@ -35,7 +36,6 @@ from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Plan
-from nnscaler.layout import plan as make_plan
 
 _INDENT = "    "
 _BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
@@ -64,6 +64,37 @@ def _is_plain(tree: Any) -> bool:
     if type(tree) is dict:
         return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in tree.items())
     return pytree.tree_is_leaf(tree)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.memory_format, torch.layout)
+
+
+def _call_key(x: Any) -> Hashable | None:
+    """A key equal for arguments that generated code writes alike: variables
+    (:class:`Code`) by their text, plain constants by type and value, and lists, tuples,
+    dicts (in order) and slices of those; None for anything else (a tensor constant,
+    an object), which is then written anew."""
+    if isinstance(x, Code):
+        return ("code", x.text)
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # -0.0 == 0.0, but they are written differently
+    if isinstance(x, _PLAIN):
+        return (type(x), x)
+    if x is Ellipsis:
+        return ("...",)
+    if type(x) in (list, tuple):
+        items = [_call_key(v) for v in x]
+        return None if any(k is None for k in items) else (type(x), tuple(items))
+    if type(x) is dict:
+        items = [(k, _call_key(v)) for k, v in x.items()]
+        if any(v is None or not isinstance(k, (str, int)) for k, v in items):
+            return None
+        return (dict, tuple(items))
+    if type(x) is slice:
+        parts = [_call_key(v) for v in (x.start, x.stop, x.step)]
+        return None if any(k is None for k in parts) else ("slice", tuple(parts))
+    return None
 
 
 def _target(tree: Any) -> str | None:
@@ -97,6 +128,9 @@ class _Rank:
         self.received: set[str] = set()  # variables a stage receives (pipelines)
         self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
         self.methods: list[list[str]] = []  # the methods the pieces call
+        self.per_unit = False  # the body names this scale unit's ranks (see _DeviceCode)
+        #: the call sources made so far, shared by the writers of one program (see call)
+        self.calls: dict[Hashable, CallSource] | None = None
 
     # -- variables ----------------------------------------------------------------------
     def source_var(self, full: FullTensor) -> str:
@@ -133,7 +167,6 @@ class _Rank:
         return [f"{spec.result} = ADAPTER_{spec.index}({arg})"]
 
     def op_lines(self, step: OpStep, op: Op) -> list[str]:
-        where = self.p.graph.describe(op)
         counter = iter(range(len(step.reads)))
 
         def to_code(x: Any) -> Any:
@@ -150,7 +183,7 @@ class _Rank:
             times = int(op.kwargs.get("times", len(op.outputs)))
             call = CallSource(", ".join([literal(inputs[0])] * times))
         else:
-            call = call_source(op, inputs, kwargs, where=where)
+            call = self.call(op, inputs, kwargs)
         self.imports.update(call.imports)
         self.defs.extend(d for d in call.defs if d not in self.defs)
         lines = list(call.stmts)
@@ -164,6 +197,24 @@ class _Rank:
             src = self.read_var(step, k) if k is not None else self.source_var(before.full)
             lines.append(f"{self.p.variables[after.full]} = {src}")
         return lines
+
+    def call(self, op: Op, inputs: list[Any], kwargs: dict[str, Any]) -> CallSource:
+        """:func:`call_source` for ``op`` reading these variables and constants; the
+        instances of one op on other devices often read the same names (the parts of a
+        split): with :attr:`calls` shared, the source is made once for them all. An op
+        with an ``emit_fn`` (which sees the instance itself) is made for each."""
+        key = None
+        if self.calls is not None and (op.opdef is None or op.opdef.emit_fn is None):
+            args = _call_key((inputs, kwargs))
+            if args is not None:
+                key = (id(op.opdef), op.name, id(op.fn), op.keywords, args)
+                found = self.calls.get(key)
+                if found is not None:
+                    return found
+        call = call_source(op, inputs, kwargs, where=self.p.graph.describe(op))
+        if key is not None and self.calls is not None:
+            self.calls[key] = call
+        return call
 
     def assign(self, op: Op, expr: str, *, statement: bool = False) -> list[str]:
         """``expr`` assigned to the op's output variables (``statement``: the op was a
@@ -317,6 +368,7 @@ class _Rank:
             if leaf.name not in self.used and not grad:
                 continue
             if grad:
+                self.per_unit = True  # the unit's runtime ranks: not shared across units
                 ranks = list(self.p.unit_ranks(self.unit))
                 lines.append(f"{leaf.name} = boundary.input({leaf.access}, ranks={ranks})")
                 if leaf.name not in self.used:
@@ -577,7 +629,9 @@ class _Rank:
         lines[0] = '"""' + lines[0]
         return [*lines, '"""']
 
-    def source(self) -> str:
+    def device_code(self) -> _DeviceCode:
+        """The parts of the file that depend on the device only: the same in every scale
+        unit (wrapped already, see :class:`_DeviceCode`)."""
         p = self.p
         pipe = self.pipe
         methods: list[str] = []
@@ -604,14 +658,13 @@ class _Rank:
             mine = [str(st.index) for st in pipe.stages if st.group == self.group]
             where = (f": pipeline stage{'s' if len(mine) > 1 else ''} {', '.join(mine)} of "
                      f"{len(pipe.stages)}")
-        head = [*self.docstring(where), "", "import torch"]
-
+        imports = ["", "import torch"]
         modules = sorted(m for m in self.imports if m not in ("torch", "builtins"))
-        head += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
+        imports += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
         # the public runtime only (docs/runtime.md): nnscaler's own ops come from
         # nnscaler.runtime.ops, everything else from nnscaler.runtime
-        head.append("")
-        head += [f"import {m}" for m in modules if m.startswith("nnscaler.")]
+        imports.append("")
+        imports += [f"import {m}" for m in modules if m.startswith("nnscaler.")]
         names = ["ParallelModule", "boundary"]
         if self.adapters:
             names.append("Adapter")
@@ -619,41 +672,126 @@ class _Rank:
             names += ["Piece", "Pipeline", "parse_schedule"]
             if any("anchored(" in line for line in methods):
                 names.append("anchored")
-        head.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
+        imports.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
         for d in self.defs:
-            head += ["", "", d.rstrip()]
+            imports += ["", "", d.rstrip()]
         if self.adapters:
-            head.append("")
-        for spec in sorted(set(self.adapters), key=lambda s: s.index):
-            src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
-            plan = make_plan(src, dst)
-            head.append(f"# {spec.label}: {describe_plan(plan)}")
-            head.append(
-                f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
-                f"dtype={literal(spec.full.dtype)})"
-            )
-        if pipe is not None:
-            head += ["", *self.schedule_lines()]
-        cls = ["", "", "class GenModel(ParallelModule):"]
-        attrs_ = [
-            ("rank", self.rank),
-            ("plan_ngpus", p.plan_ngpus),
-            ("runtime_ngpus", p.runtime_ngpus),
-            ("end2end", p.end2end),
-            ("inference_only", p.inference_only),
-            ("process_groups", p.process_groups),
-            ("reducer_groups", p.reducer_groups),
-            ("reducer_config", p.reducer_config),
-        ]
-        cls += [f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_]
-        if pipe is not None:
-            cls += self.pipeline_attr()
-        cls += ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
+            imports.append("")
+        schedule = ["", *self.schedule_lines()] if pipe is not None else []
+        body = ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
                 f"{_INDENT * 2}super().__init__(init_params)"]
-        cls += [_INDENT * 2 + line for line in init]
-        cls += [f"{_INDENT * 2}self._post_init(init_params)", ""]
-        cls += [_INDENT + line if line else "" for line in methods]
-        return "\n".join(wrap_lines(head + cls)) + "\n"
+        body += [_INDENT * 2 + line for line in init]
+        body += [f"{_INDENT * 2}self._post_init(init_params)", ""]
+        body += [_INDENT + line if line else "" for line in methods]
+        return _DeviceCode(
+            where=where,
+            imports=_Wrapped.of(imports),
+            adapters=tuple(sorted(set(self.adapters), key=lambda s: s.index)),
+            schedule=_Wrapped.of(schedule),
+            body=_Wrapped.of(body),
+            per_unit=self.per_unit,
+        )
+
+    def adapter_definition(self, spec: AdapterSpec) -> tuple[str, ...]:
+        """``ADAPTER_{index} = Adapter(...)`` on this scale unit's ranks, under a comment
+        with its steps (the same in every file of the unit that runs the adapter)."""
+        src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
+        invariant = relabel_invariant() if self.offset else None
+        plan = unit_plan(spec.plan, self.offset, invariant=invariant)
+        return (f"# {spec.label}: {describe_plan(plan)}",
+                f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
+                f"dtype={literal(spec.full.dtype)})")
+
+    def source(self, code: _DeviceCode | None = None, shared: _Wrapped | None = None,
+               adapter_lines: dict[tuple[int, int], _Wrapped] | None = None) -> str:
+        """The file of this rank; ``code``: this device's :meth:`device_code`, made by a
+        rank of another scale unit (it is the same in every unit unless
+        :attr:`_DeviceCode.per_unit`); ``shared``: :func:`program_attributes`;
+        ``adapter_lines``: :meth:`adapter_definition` by adapter and unit offset, filled
+        as they are made (the ranks of one unit that run an adapter share its lines)."""
+        if code is None or code.per_unit:
+            code = self.device_code()
+        p = self.p
+        head = self.docstring(code.where)
+        definitions: list[_Wrapped] = []
+        for spec in code.adapters:
+            key = (spec.index, self.offset)
+            wrapped = None if adapter_lines is None else adapter_lines.get(key)
+            if wrapped is None:
+                wrapped = _Wrapped.of(self.adapter_definition(spec))
+                if adapter_lines is not None:
+                    adapter_lines[key] = wrapped
+            definitions.append(wrapped)
+        adapters = _Wrapped.joined(definitions)
+        cls = ["", "", "class GenModel(ParallelModule):", f"{_INDENT}rank = {self.rank}"]
+        pipeline = self.pipeline_attr() if self.pipe is not None else []
+        # the file is the concatenation of these parts, wrapped line by line: the parts of
+        # the device and of the program are wrapped once (outside a string, where every
+        # part ends)
+        parts = [_Wrapped.of(head), code.imports, adapters, code.schedule,
+                 _Wrapped.of(cls), shared or program_attributes(p), _Wrapped.of(pipeline),
+                 code.body]
+        if any(part.ends_in_string for part in parts):  # a '"""' left open: wrap it whole
+            raw = [line for part in parts for line in part.raw]
+            return "\n".join(wrap_lines(raw)) + "\n"
+        return "\n".join(line for part in parts for line in part.lines) + "\n"
+
+
+def program_attributes(p: Program) -> _Wrapped:
+    """The class attributes of ``GenModel`` after ``rank``: the same in every rank's file
+    (the process groups every rank creates grow with the number of ranks, so they are
+    written out once per program)."""
+    attrs_ = [
+        ("plan_ngpus", p.plan_ngpus),
+        ("runtime_ngpus", p.runtime_ngpus),
+        ("end2end", p.end2end),
+        ("inference_only", p.inference_only),
+        ("process_groups", p.process_groups),
+        ("reducer_groups", p.reducer_groups),
+        ("reducer_config", p.reducer_config),
+    ]
+    return _Wrapped.of([f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_])
+
+
+@attrs.frozen
+class _Wrapped:
+    """Lines of generated code and the same lines wrapped (:func:`wrap_lines`);
+    ``ends_in_string``: a triple-quoted string opened in them is still open at the end."""
+
+    raw: tuple[str, ...]
+    lines: tuple[str, ...]
+    ends_in_string: bool
+
+    @classmethod
+    def of(cls, raw: Sequence[str]) -> _Wrapped:
+        open_ = sum(line.count('"""') for line in raw) % 2 == 1
+        return cls(tuple(raw), tuple(wrap_lines(list(raw))), open_)
+
+    @classmethod
+    def joined(cls, parts: Sequence[_Wrapped]) -> _Wrapped:
+        """``parts`` one after the other (wrapped like the whole when none leaves a string
+        open; else marked open, so that the file is wrapped whole)."""
+        return cls(tuple(line for p in parts for line in p.raw),
+                   tuple(line for p in parts for line in p.lines),
+                   any(p.ends_in_string for p in parts))
+
+
+@attrs.frozen
+class _DeviceCode:
+    """What the file of a rank holds that depends only on its device (rank modulo
+    ``plan_ngpus``): the ranks of the same device in different scale units differ only in
+    their rank numbers (the header, the adapters' runtime devices, the pipeline's ranks),
+    so this is made once per device and shared (:func:`generate`, :func:`emit_files
+    <nnscaler.codegen.emit_files>`). ``per_unit``: the body names runtime ranks after all
+    (a forward input whose gradient is summed over the scale unit), so each rank makes
+    its own."""
+
+    where: str  # the pipeline stages of the device, for the header
+    imports: _Wrapped
+    adapters: tuple[AdapterSpec, ...]
+    schedule: _Wrapped
+    body: _Wrapped  # __init__ and the methods
+    per_unit: bool
 
 
 def _version() -> str:
@@ -700,5 +838,23 @@ def generate_rank(program: Program, rank: int) -> str:
 
 
 def generate(program: Program) -> dict[int, str]:
-    """The source of every rank's file, by rank."""
-    return {rank: generate_rank(program, rank) for rank in range(program.runtime_ngpus)}
+    """The source of every rank's file, by rank (each is :func:`generate_rank`'s).
+
+    The body of a file depends on the rank's device only, so it is made once per device
+    of the plan and shared by that device's ranks in the other scale units: the work grows
+    with ``plan_ngpus`` x the program, plus ``runtime_ngpus`` x a header, not with
+    ``runtime_ngpus`` x the program. The class attributes shared by every rank (the
+    process groups) are written once."""
+    codes: dict[int, _DeviceCode] = {}
+    shared = program_attributes(program)
+    adapter_lines: dict[tuple[int, int], _Wrapped] = {}
+    calls: dict[Hashable, CallSource] = {}
+    out: dict[int, str] = {}
+    for rank in range(program.runtime_ngpus):
+        writer = _Rank(program, rank)
+        writer.calls = calls
+        code = codes.get(writer.device)
+        if code is None:
+            code = codes[writer.device] = writer.device_code()
+        out[rank] = writer.source(code, shared, adapter_lines)
+    return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.codegen.emit import generate_rank
+from nnscaler.codegen.emit import generate
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.program import Program, build_program
 from nnscaler.graph.graph import as_irgraph
@@ -115,7 +115,7 @@ def emit_files(
             inference_only=inference_only, compute_config=compute_config,
             forward_signature=forward_signature, origin=origin,
         )
-    sources = {rank: generate_rank(program, rank) for rank in range(program.runtime_ngpus)}
+    sources = generate(program)
     weights = full_state(program.graph, state)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from nnscaler.codegen.errors import CodegenError
-from nnscaler.codegen.layouts import shifted
+from nnscaler.codegen.layouts import relabel_invariant, unit_plan
 from nnscaler.ir import TensorKind
-from nnscaler.layout import plan as make_plan
 from nnscaler.runtime import plan_groups, zero_groups
 
 if TYPE_CHECKING:
@@ -26,17 +25,20 @@ def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, .
     """The process groups every rank creates (same list, same order, on every rank), and
     the holder sets of the parameters (one reducer each), in a global order."""
     groups: list[tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
 
     def add(ranks: Sequence[int]) -> None:
         key = tuple(sorted(ranks))
-        if len(key) > 1 and key not in groups:
+        if len(key) > 1 and key not in seen:
+            seen.add(key)
             groups.append(key)
 
+    invariant = relabel_invariant()
     for unit in range(p.nunits):
         offset = unit * p.plan_ngpus
         for spec in p.adapters:
-            shifted_plan = make_plan(shifted(spec.src, offset), shifted(spec.dst, offset))
-            for ranks in plan_groups(shifted_plan, grad="exact"):
+            plan = unit_plan(spec.plan, offset, invariant=invariant)
+            for ranks in plan_groups(plan, grad="exact"):
                 add(ranks)
     for unit in range(p.nunits):  # the parts of collective part ops
         offset = unit * p.plan_ngpus

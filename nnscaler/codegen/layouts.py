@@ -21,8 +21,11 @@ import attrs
 
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.ir import FullTensor, SubTensor
-from nnscaler.layout import Layout
+from nnscaler.layout import Layout, Plan
+from nnscaler.layout import plan as make_plan
 from nnscaler.layout.layout import ravel
+from nnscaler.layout.steps import Group
+from nnscaler.registry import active_registry
 
 Box = tuple[tuple[int, int], ...]
 ValueKey = tuple[tuple[Hashable, int], ...]
@@ -157,6 +160,51 @@ def shifted(layout: Layout, offset: int) -> Layout:
         return layout
     return Layout(shape=layout.shape, r=layout.r, v=layout.v, d=layout.d,
                   devices=tuple(d + offset for d in layout.devices))
+
+
+def shifted_plan(plan: Plan, offset: int) -> Plan:
+    """``plan`` with every device ``d`` renamed ``d + offset``: its layouts, and the
+    groups of its steps (parameters name group members by position, not by device)."""
+    if not offset:
+        return plan
+
+    def group(g: Group) -> Group:
+        return Group(tuple(d + offset for d in g.src), tuple(d + offset for d in g.dst))
+
+    steps = tuple(attrs.evolve(step, groups=tuple(group(g) for g in step.groups),
+                               before=shifted(step.before, offset),
+                               after=shifted(step.after, offset)) for step in plan.steps)
+    return Plan(src=shifted(plan.src, offset), dst=shifted(plan.dst, offset), steps=steps)
+
+
+#: the module of nnscaler's own primitives: their costs read devices only to compare them
+_BUILTIN_PRIMITIVES = "nnscaler.layout.primitives"
+
+
+def relabel_invariant(registry: object = None) -> bool:
+    """Whether the planner's plans do not depend on device numbers, only on their order:
+    every primitive of ``registry`` (default: the active adapters) is one of nnscaler's
+    own. The planner itself compares devices and orders them; the primitives' costs may
+    read the devices of a group, and nnscaler's own only test them for equality. Then
+    the plan between layouts shifted by ``k`` devices is :func:`shifted_plan` of the
+    plan between the layouts themselves (``tests/codegen/test_unit_plans.py``)."""
+    reg = active_registry("adapters") if registry is None else registry
+    return all(type(prim).__module__ == _BUILTIN_PRIMITIVES for _, prim in reg.items())
+
+
+def unit_plan(plan: Plan, offset: int, *, invariant: bool | None = None) -> Plan:
+    """The plan between ``plan``'s layouts shifted by ``offset`` devices (the same layout
+    change in the scale unit that starts at runtime rank ``offset``): ``plan`` renamed
+    where the planner is :func:`relabel_invariant` (``invariant``: that, when the caller
+    knows it), else planned anew. Planning costs milliseconds per adapter, and a program
+    has ``adapters x scale units`` of them."""
+    if not offset:
+        return plan
+    if invariant is None:
+        invariant = relabel_invariant()
+    if invariant:
+        return shifted_plan(plan, offset)
+    return make_plan(shifted(plan.src, offset), shifted(plan.dst, offset))
 
 
 def replicated(shape: tuple[int, ...], devices: Sequence[int]) -> Layout:

@@ -16,6 +16,12 @@ pieces exist.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
 from nnscaler.anno import AnnotationError
 from nnscaler.graph.errors import PlanCheckError
 from nnscaler.graph.graph import IRGraph, as_irgraph
@@ -36,10 +42,48 @@ def check_plan(graph: Graph, ndevices: int) -> None:
         raise PlanCheckError(f"check: ndevices is the number of devices of the scale unit, a "
                              f"positive int; got {ndevices!r}")
     g = as_irgraph(graph)
+    stamp = _stamp(g, ndevices)
+    passed = _passed.get(g)
+    if passed is not None and passed == stamp:
+        return  # checked already, and nothing the check reads has changed since
     _check_devices(g, ndevices)
+    bound: dict[Hashable, Any] = {}
     for op in g.ops:
-        _check_shapes(g, op)
+        _check_shapes(g, op, bound)
     _check_pieces(g)
+    _passed[g] = stamp
+
+
+#: graph -> the stamp of its last passed check (a policy, parallelize and build_program
+#: each check the same plan: the second and third check are free)
+_passed: weakref.WeakKeyDictionary[IRGraph, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def _stamp(g: IRGraph, ndevices: int) -> tuple[Any, ...]:
+    """What the check reads: the op instances (frozen values: their pieces, annotations
+    and lineage never change; partition, replicate and multiref make new ones), the device
+    each runs on, and the graph's outputs. Equal stamps, equal verdicts."""
+    return (ndevices, tuple(g.ops), tuple(op.plan.device for op in g.ops),
+            tuple(g.output_tensors()))
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.dtype)
+
+
+def _plain_key(value: Any) -> Hashable | None:
+    """A hashable key that is equal for equal plain values (numbers, strings, dtypes, and
+    lists, tuples and dicts of them) of the same types; None for anything else."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        items = [_plain_key(x) for x in value]
+        return None if any(k is None for k in items) else (type(value), tuple(items))
+    if isinstance(value, dict):
+        keys = [(k, _plain_key(v)) for k, v in value.items()]
+        if any(v is None for _, v in keys) or not all(isinstance(k, str) for k, _ in keys):
+            return None
+        return (dict, tuple(sorted(keys)))
+    return None
 
 
 def _listing(g: IRGraph, ops: list[Op]) -> str:
@@ -67,7 +111,9 @@ def _check_devices(g: IRGraph, ndevices: int) -> None:
         )
 
 
-def _check_shapes(g: IRGraph, op: Op) -> None:
+def _check_shapes(g: IRGraph, op: Op, bound_by: dict[Hashable, Any]) -> None:
+    """``bound_by``: the output shapes of earlier binds of one annotation to the same
+    shapes and plain keyword arguments (the parts of one split, repeated layers)."""
     if op.anno is None:
         return
     shapes = [x.shape if isinstance(x, SubTensor) else None for x in op.inputs]
@@ -78,15 +124,22 @@ def _check_shapes(g: IRGraph, op: Op) -> None:
             f"was edited inconsistently (partition ops with graph.partition, which keeps "
             f"pieces and annotations in step)"
         )
-    try:
-        bound = op.anno.anno.bind(shapes, op.kwargs)
-    except AnnotationError as e:
-        raise PlanCheckError(f"{g.describe(op)} reads pieces of shapes {shapes} that its "
-                             f"annotation rejects: {e}") from None
+    kwargs = _plain_key(op.kwargs)
+    key = None if kwargs is None else (id(op.anno.anno), tuple(shapes), kwargs)
+    output_shapes = bound_by.get(key) if key is not None else None
+    if output_shapes is None:
+        try:
+            output_shapes = op.anno.anno.bind(shapes, op.kwargs).output_shapes
+        except AnnotationError as e:
+            raise PlanCheckError(f"{g.describe(op)} reads pieces of shapes {shapes} that its "
+                                 f"annotation rejects: {e}") from None
+        if key is not None:
+            bound_by[key] = output_shapes
+            bound_by[("anno", id(op.anno.anno))] = op.anno.anno  # keeps the id taken
     outs = list(tensors_in(op.outputs))
-    if len(outs) != len(bound.output_shapes):
+    if len(outs) != len(output_shapes):
         return  # e.g. an in-place op annotated with the tensor it writes
-    for k, (want, piece) in enumerate(zip(bound.output_shapes, outs, strict=True)):
+    for k, (want, piece) in enumerate(zip(output_shapes, outs, strict=True)):
         if want is not None and not _same_shape(want, piece.shape):
             raise PlanCheckError(
                 f"{g.describe(op)}: its annotation gives output {k} the shape {list(want)} "
@@ -108,11 +161,21 @@ def _check_pieces(g: IRGraph) -> None:
     keys: dict[FullTensor, list[ValueKey]] = {}
     writers: dict[FullTensor, list[Op]] = {}
 
-    def need(piece: SubTensor, reader: str) -> None:
+    covered: set[tuple[FullTensor, Any, int]] = set()  # (full, box, pieces written then)
+
+    def need(piece: SubTensor, reader: Op | str) -> None:
         if piece.full.is_leaf:
             return
-        found = cover(piece.indmap, written.get(piece.full, []), keys.get(piece.full, []))
-        if isinstance(found, Gap):
+        pieces = written.get(piece.full, [])
+        # pieces are only added: a box formed by the first n pieces is formed again
+        key = (piece.full, piece.indmap, len(pieces))
+        if key in covered:
+            return
+        found = cover(piece.indmap, pieces, keys.get(piece.full, []))
+        if not isinstance(found, Gap):
+            covered.add(key)
+        else:
+            reader = g.describe(reader) if isinstance(reader, Op) else reader
             ops = writers.get(piece.full, [])
             before = "\n".join(f"  {g.describe(w)} writes "
                                f"{', '.join(str(t) for t in w.output_tensors() if t.full is piece.full)}"
@@ -130,7 +193,7 @@ def _check_pieces(g: IRGraph) -> None:
 
     for op in g.ops:
         for piece in op.input_tensors():
-            need(piece, g.describe(op))
+            need(piece, op)
         for piece, key in written_by(g, op):
             written.setdefault(piece.full, []).append(piece)
             keys.setdefault(piece.full, []).append(key)

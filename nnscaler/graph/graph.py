@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
+import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
@@ -46,6 +47,26 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_PLAIN = (int, float, str, bool, type(None), torch.dtype)
+
+
+def _plain_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for keyword arguments made of plain values (numbers, strings, dtypes, and
+    tuples, lists and dicts of them); False when either holds anything else (a tensor,
+    whose ``==`` is elementwise): then the caller does not reuse what it computed."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _PLAIN):
+        return a == b
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_plain_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_plain_equal(a[k], b[k]) for k in a)
+    return False
+
+
 class IRGraph(Graph):
     """A traced :class:`~nnscaler.ir.Graph` plus the policy writer's operations.
 
@@ -64,6 +85,7 @@ class IRGraph(Graph):
         self._recompute_groups = 0
         self.num_stages = 0
         self._ops: OpRegistry | None = None  # None: the process-wide op registry
+        self._hint = 0  # where the last replacement ended in ops (see _position)
 
     @classmethod
     def from_graph(cls, graph: Graph, *, ops: OpRegistry | None = None) -> IRGraph:
@@ -227,9 +249,21 @@ class IRGraph(Graph):
                         f"from this graph's select() or nodes()")
 
     # -- replacing ops ------------------------------------------------------------------
+    def _position(self, op: Op) -> int:
+        """Where ``op`` is in :attr:`ops`. Policies mostly replace ops in program order, so
+        the search starts where the last replacement ended (linear in the distance, not in
+        the graph: partitioning every op stays linear) and wraps around."""
+        hint = getattr(self, "_hint", 0)  # (a graph unpickled from an older version)
+        hint = hint if hint < len(self.ops) else 0
+        try:
+            return self.ops.index(op, hint)
+        except ValueError:
+            return self.ops.index(op, 0, hint)
+
     def _replace(self, op: Op, instances: Sequence[Op], how: Sequence[str]) -> None:
-        at = self.ops.index(op)
+        at = self._position(op)
         self.ops[at:at + 1] = list(instances)
+        self._hint = at + len(instances)
         origin = self._origin.pop(op)
         for inst, label in zip(instances, how, strict=True):
             self._origin[inst] = origin
@@ -322,65 +356,83 @@ class IRGraph(Graph):
                 f"(input shapes {_shapes(op.input_tensors())}): {e}\n{fix} "
                 f"(graph.replicate(op, times=...))."
             ) from None
-        parts = [self._part(op, transform, p) for p in range(num)]
+        parts = self._parts(op, transform)
         self._replace(op, parts, [f"part {p} of {num} of op #{op.oid} ({transform})"
                                   for p in range(num)])
         self._split.update({part: (transform, p) for p, part in enumerate(parts)})
         return parts
 
-    def _part(self, op: Op, t: Transform, part: int) -> Op:
-        """Part ``part`` of ``op`` split by ``t``: its pieces, keyword arguments, annotation."""
+    def _parts(self, op: Op, t: Transform) -> list[Op]:
+        """The ``t.num`` parts of ``op`` split by ``t``: their pieces, keyword arguments and
+        annotations. Each tensor is split once for all parts (``SubTensor.split`` makes
+        every piece), and parts that read the same shapes with equal keyword arguments
+        share one bound annotation."""
+        num = t.num
 
-        def piece(sub: SubTensor, layout: Placement | None) -> SubTensor:
+        def pieces(sub: SubTensor, layout: Placement | None) -> tuple[SubTensor, ...]:
             if isinstance(layout, Split):
-                return sub.split(layout.dim, t.num)[part]
+                return sub.split(layout.dim, num)
             if isinstance(layout, ValuePartial):
-                return sub.value_split(t.num)[part]
-            return sub  # Replicate, or '?': the same piece
+                return sub.value_split(num)
+            return (sub,) * num  # Replicate, or '?': the same piece
 
         def fail(reason: str) -> PartitionError:
             return PartitionError(f"cannot partition {self.describe(op)} as {t}: {reason}")
 
-        inputs = tuple(
-            piece(x, layout) if isinstance(x, SubTensor) else x
+        split_inputs = [
+            pieces(x, layout) if isinstance(x, SubTensor) else (x,) * num
             for x, layout in zip(op.inputs, t.inputs, strict=True)
-        )
+        ]
         out_tensors = list(tensors_in(op.outputs))
         if len(out_tensors) != len(t.outputs):
             raise fail(f"its annotation has {len(t.outputs)} outputs but the call returned "
                        f"{len(out_tensors)} tensors; replicate the op instead")
-        new_out = {id(x): piece(x, layout)
-                   for x, layout in zip(out_tensors, t.outputs, strict=True)}
-        outputs = tuple(new_out.get(id(x), x) for x in op.outputs)
-        # in-place writes: the piece written is the piece of the output (or input) it aliases
-        written = {x.full: x for x in (*tensors_in(outputs), *tensors_in(inputs))}
-        mutations = []
-        for before, after in op.mutations:
-            b = written.get(before.full)
-            if b is None:
-                raise fail(f"it writes {before.full.name} in place through a view, which a "
-                           f"split cannot follow; replicate the op instead")
-            a = written.get(after.full) or SubTensor(full=after.full, indmap=b.indmap,
-                                                     valmap=b.valmap)
-            mutations.append((b, a))
+        split_out = {id(x): pieces(x, layout)
+                     for x, layout in zip(out_tensors, t.outputs, strict=True)}
         opdef, anno = op.opdef, op.anno
         if opdef is None or anno is None:
             raise fail("the op has no annotation")
-        kwargs = opdef.part_kwargs(t, op.kwargs, part)
         if t.part_op is not None:  # the parts call another op (a transform rule's part_op)
             try:
-                opdef = self.op_registry().get(t.part_op)
+                part_def = self.op_registry().get(t.part_op)
             except LookupError as e:
                 raise fail(f"its transform rule names the part op {t.part_op!r}, which is "
                            f"not registered: {e}") from None
-        shapes = [x.shape if isinstance(x, SubTensor) else None for x in inputs]
-        try:
-            bound = anno.anno.bind(shapes, kwargs)
-        except AnnotationError as e:
-            raise fail(f"part {part} has input shapes {_shapes(tensors_in(inputs))}, which its "
-                       f"annotation rejects: {e}") from None
-        return self._new_op(op, opdef=opdef, anno=bound, inputs=inputs, kwargs=kwargs,
-                            outputs=outputs, mutations=tuple(mutations))
+        else:
+            part_def = opdef
+        parts: list[Op] = []
+        last: tuple[list[Any], dict[str, Any], Any] | None = None  # shapes, kwargs, bound
+        for part in range(num):
+            inputs = tuple(split[part] for split in split_inputs)
+            outputs = tuple(split_out[id(x)][part] if id(x) in split_out else x
+                            for x in op.outputs)
+            # in-place writes: the piece written is the piece of the output (or input) it
+            # aliases
+            written = {x.full: x for x in (*tensors_in(outputs), *tensors_in(inputs))}
+            mutations = []
+            for before, after in op.mutations:
+                b = written.get(before.full)
+                if b is None:
+                    raise fail(f"it writes {before.full.name} in place through a view, which "
+                               f"a split cannot follow; replicate the op instead")
+                a = written.get(after.full) or SubTensor(full=after.full, indmap=b.indmap,
+                                                         valmap=b.valmap)
+                mutations.append((b, a))
+            kwargs = opdef.part_kwargs(t, op.kwargs, part)
+            shapes = [x.shape if isinstance(x, SubTensor) else None for x in inputs]
+            if last is not None and last[0] == shapes and _plain_equal(last[1], kwargs):
+                bound = last[2]
+            else:
+                try:
+                    bound = anno.anno.bind(shapes, kwargs)
+                except AnnotationError as e:
+                    raise fail(f"part {part} has input shapes {_shapes(tensors_in(inputs))}, "
+                               f"which its annotation rejects: {e}") from None
+                last = (shapes, kwargs, bound)
+            parts.append(self._new_op(op, opdef=part_def, anno=bound, inputs=inputs,
+                                      kwargs=kwargs, outputs=outputs,
+                                      mutations=tuple(mutations)))
+        return parts
 
     # -- placing ops --------------------------------------------------------------------
     def assign(self, op: Op, device: int) -> Op:
