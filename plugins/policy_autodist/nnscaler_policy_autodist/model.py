@@ -27,9 +27,11 @@ An edge between the producer of an activation and a consumer costs the layout pl
 the layout the producer's option writes to the one the consumer's option reads
 (:func:`nnscaler.layout.plan`, timed by :class:`~.comm.CommModel`), forward and backward.
 
-Repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) are *tied*: every op of an
-instance takes the choice of the op at its position in the template, so the solver sees
-one layer whatever the depth, and the costs of an instance are computed once.
+Repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) are *tied*: the costs of
+an instance are computed once, and every op of an instance between the first and the last
+takes the choice of the op at its position in the second instance. The first and last
+instances choose for themselves (the ops before the first, or after the last, are not
+another block), so the solver sees at most three layers whatever the depth.
 """
 
 from __future__ import annotations
@@ -232,21 +234,32 @@ class CostModel:
         for i, op in enumerate(ops):
             for y in op.output_tensors():
                 producer[y.full] = i
+        # src[i]: the op whose options op i copies (its place in the first instance);
+        # rep[i]: the op whose choice it takes. The first and last instances of a block
+        # choose for themselves (what comes before the first, or reads the last, differs
+        # from what surrounds the others); the ones between take the second's choice.
+        src = list(range(len(ops)))
         rep = list(range(len(ops)))
         for kind in repeated_blocks(ops):
             tpl = kind.template.ops
-            for inst in kind.instances[1:]:
+            insts = kind.instances
+            for n, inst in enumerate(insts[1:], start=1):
                 for p, op in enumerate(inst.ops):
-                    rep[index[op]] = index[tpl[p]]
+                    src[index[op]] = index[tpl[p]]
+                    if 2 <= n < len(insts) - 1:
+                        rep[index[op]] = index[insts[1].ops[p]]
         options: list[tuple[Option, ...] | None] = [None] * len(ops)
         produced = set(producer)
         for i, op in enumerate(ops):
-            template = options[rep[i]] if rep[i] != i else None  # solved first: earlier
-            if template is not None and self._same_weights_role(op, ops[rep[i]], first_reader):
+            template = options[src[i]] if src[i] != i else None  # solved first: earlier
+            if template is not None and self._same_weights_role(op, ops[src[i]], first_reader):
                 options[i] = self._retarget(template, op, k)
                 continue
             options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
                                for t in self.transforms(op, k))
+            if rep[i] != i and len(options[i]) != len(options[rep[i]]):
+                rep[i] = i
+        for i in range(len(ops)):  # a choice taken from an op whose options differ: its own
             if rep[i] != i and len(options[i]) != len(options[rep[i]]):
                 rep[i] = i
         edges: list[Edge] = []

@@ -28,7 +28,8 @@ from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve
 
-__all__ = ["PipelinePlan", "inflight", "search_pipeline", "stage_counts", "step_time"]
+__all__ = ["PipelinePlan", "count_layers", "inflight", "search_pipeline", "stage_counts",
+           "step_time"]
 
 logger = logging.getLogger("nnscaler.autodist.pipeline")  # under nnscaler's loggers
 
@@ -76,6 +77,13 @@ def _shares(problem: StageProblem, sol: Solution) -> tuple[list[float], list[flo
     for e in problem.edges:
         time[e.dst] += e.cost[sol.choice[e.src]][sol.choice[e.dst]]
     return time, weights, act
+
+
+def count_layers(ops: Sequence[Op]) -> int:
+    """The layers a pipeline may cut between: layer starts plus one (0 without layers)."""
+    paths = [layer_path(op) for op in ops]
+    starts = sum(1 for i in range(1, len(ops)) if paths[i] != paths[i - 1] and paths[i])
+    return starts + 1 if starts else 0
 
 
 def _cuts(ops: Sequence[Op], nstages: int) -> list[int]:
@@ -201,11 +209,14 @@ def _slice(problem: StageProblem, lo: int, hi: int) -> StageProblem:
                         rep=rep, k=problem.k)
 
 
-def stage_counts(n: int, cfg: AutoDistConfig, nops: int) -> list[int]:
+def stage_counts(n: int, cfg: AutoDistConfig, nops: int, layers: int = 0) -> list[int]:
     """The numbers of stages the search tries for ``plan_ngpus=n`` (each stage then has
-    ``n // s`` devices)."""
+    ``n // s`` devices); ``'auto'`` tries at most one stage per layer (``layers``, the
+    layer starts plus one; 0 when the model has none, then one per op)."""
     if cfg.pipeline_nstages == "auto":
-        counts = [s for s in range(1, n + 1) if n % s == 0 and s <= nops]
+        # a stage per layer at most: more stages than layers would cut inside layers
+        most = layers if layers else nops
+        counts = [s for s in range(1, n + 1) if n % s == 0 and s <= most]
         if cfg.pipeline_nmicros is None:
             logger.info("autodist: pipeline_nstages='auto' without pipeline_nmicros: "
                         "considering one stage only (set pipeline_nmicros to try pipelines)")
@@ -231,7 +242,7 @@ def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistCo
                     ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]]:
     """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows."""
     outs = {t.full for t in outputs}
-    counts = stage_counts(n, cfg, len(ops))
+    counts = stage_counts(n, cfg, len(ops), count_layers(ops))
     best = None
     failures: list[NoPlanFits] = []
     for s in counts:

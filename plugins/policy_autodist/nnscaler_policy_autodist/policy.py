@@ -30,7 +30,12 @@ from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec,
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
 from nnscaler_policy_autodist.model import CostModel, StageProblem
-from nnscaler_policy_autodist.pipeline import PipelinePlan, search_pipeline, stage_counts
+from nnscaler_policy_autodist.pipeline import (
+    PipelinePlan,
+    count_layers,
+    search_pipeline,
+    stage_counts,
+)
 from nnscaler_policy_autodist.profile import ComputeProfiler
 from nnscaler_policy_autodist.spmd import Solution
 
@@ -108,7 +113,8 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     nmicros = cfg.pipeline_nmicros or 1
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
-        profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops))
+        profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops),
+                                                                 count_layers(ops))
                            for op in ops for t in model.transforms(op, n // s)])
     if cfg.load_plan_path is not None:
         pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, model,

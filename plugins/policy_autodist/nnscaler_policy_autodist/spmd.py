@@ -143,7 +143,9 @@ def _solve_ilp(pulp, problem: StageProblem, limit: float | None, inflight: int, 
             prob += pulp.lpSum(y[i][j] for i in range(len(x[a]))) == x[b][j]
         objective += [cost[i][j] * y[i][j] for i in range(len(x[a])) for j in range(len(x[b]))
                       if cost[i][j]]
-    prob += pulp.lpSum(objective)
+    # in microseconds: CBC's tolerances are absolute (~1e-7), so costs in seconds (1e-6
+    # for a small op) would tie options that differ by a microsecond
+    prob += 1e6 * pulp.lpSum(objective)
     if limit is not None:
         # the largest transient of the chosen options: one variable above each op's
         peak = pulp.LpVariable("transient", lowBound=0)

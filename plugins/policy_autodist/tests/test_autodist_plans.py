@@ -120,6 +120,19 @@ def test_auto_stages_without_micro_batches_is_one_stage(gpt, tmp_path):
     assert result.pipeline.nstages == 1
 
 
+def test_auto_stages_never_outnumber_the_layers(gpt, tmp_path):
+    from nnscaler_policy_autodist.config import parse_config
+    from nnscaler_policy_autodist.pipeline import count_layers, stage_counts
+
+    ops = IRGraph.from_graph(gpt[2]).nodes()
+    layers = count_layers(ops)
+    assert layers >= 2  # the blocks, and what comes before and after them
+    cfg = parse_config({"pipeline_nstages": "auto", "pipeline_nmicros": 4})
+    counts = stage_counts(64, cfg, len(ops), layers)
+    assert counts == [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= layers]
+    assert stage_counts(8, cfg, len(ops), 0) == [1, 2, 4, 8]  # no layers: one op a stage
+
+
 def test_recompute_marks_groups_and_costs(gpt, tmp_path):
     g, result = plan(gpt, 2, str(tmp_path), recompute_modules="Block")
     groups = {op.recompute for op in g.ops if op.module_path.startswith("gpt.blocks.")}
