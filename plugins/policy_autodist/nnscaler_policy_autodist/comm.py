@@ -116,8 +116,19 @@ class CommModel:
         return lat + 2 * (g - 1) / g * nbytes / bw
 
 
-def _cache_file(profile_dir: Path, device: str) -> Path:
-    return Path(profile_dir) / f"comm-{device}.json"
+def _cache_file(profile_dir: Path, device: str, group: int) -> Path:
+    """Figures per device type and group size: two processes sharing a node's cores, or
+    eight, see very different latencies."""
+    return Path(profile_dir) / f"comm-{device}-g{group}.json"
+
+
+def _cached_groups(profile_dir: Path, device: str) -> list[int]:
+    out = []
+    for path in Path(profile_dir).glob(f"comm-{device}-g*.json"):
+        tail = path.stem.rsplit("-g", 1)[-1]
+        if tail.isdigit():
+            out.append(int(tail))
+    return sorted(out)
 
 
 def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23),
@@ -182,7 +193,7 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
     lat = max((t0 - k * s0 / bw) / (2 * (g - 1)), 1e-7)
     figures = {"lat": lat, "bw": bw, "group": g}
     if dist.get_rank() == 0:
-        path = _cache_file(Path(profile_dir), device_type())
+        path = _cache_file(Path(profile_dir), device_type(), g)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(figures, indent=1))
@@ -190,24 +201,27 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
     return figures
 
 
-def comm_measured(profile_dir: Path | str) -> bool:
-    """Whether :func:`measure_comm` cached figures for this device type there."""
+def comm_measured(profile_dir: Path | str, group: int) -> bool:
+    """Whether :func:`measure_comm` cached figures for this device type and a group of
+    ``group`` processes there."""
     from nnscaler.runtime.device import device_type
 
-    return _cache_file(Path(profile_dir), device_type()).is_file()
+    return _cache_file(Path(profile_dir), device_type(), group).is_file()
 
 
-def device_spec(device: str | None, profile_dir: Path) -> DeviceSpec:
+def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> DeviceSpec:
     """The figures for ``device`` (a name of :data:`DEVICE_SPECS`), or for the present
-    device type with measured communication figures where :func:`measure_comm` cached
-    them."""
+    device type with the communication figures :func:`measure_comm` cached for a group
+    of ``group`` processes (else for the nearest group size measured; else defaults)."""
     if device is not None and device not in ("cpu", "cuda"):
         return DEVICE_SPECS[device]
     from nnscaler.runtime.device import device_type
 
     kind = device or device_type()
     base = DEVICE_SPECS["cpu"] if kind == "cpu" else DEVICE_SPECS["H100"]
-    path = _cache_file(profile_dir, kind)
+    known = _cached_groups(Path(profile_dir), kind)
+    nearest = min(known, key=lambda g: (abs(g - group), -g)) if known else group
+    path = _cache_file(Path(profile_dir), kind, nearest)
     if path.is_file():
         try:
             fig = json.loads(path.read_text())

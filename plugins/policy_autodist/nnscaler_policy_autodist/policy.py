@@ -99,10 +99,10 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
     from nnscaler.runtime.device import device_type
 
     here = cfg.device_type in (None, device_type())
-    if here and not comm_measured(cfg.profile_dir):
+    if here and not comm_measured(cfg.profile_dir, runtime):
         # every rank takes part (while rank 0 plans); alone, there is nothing to measure
         call_on_every_rank(measure_comm, cfg.profile_dir)
-    spec = device_spec(cfg.device_type, cfg.profile_dir)
+    spec = device_spec(cfg.device_type, cfg.profile_dir, runtime)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))

@@ -47,14 +47,28 @@ MAX_PROFILE_BYTES = 64 * 1024 * 1024
 
 
 def device_key() -> str:
-    """Names this machine's compute device for the cache: the CPU model and threads, or
-    the CUDA device name."""
+    """Names this machine's compute device for the cache: the CPU model, threads and the
+    processes sharing the node, or the CUDA device name."""
     from nnscaler.runtime.device import device_type
 
     if device_type() == "cuda":
         return "cuda-" + torch.cuda.get_device_name().replace(" ", "_")
     cpu = platform.processor() or platform.machine()
-    return f"cpu-{cpu}-t{torch.get_num_threads()}".replace(" ", "_").replace("/", "_")
+    # the processes that share this node's cores: four ranks on two cores get half the
+    # time of two each, and their op times are measured so (profiling is spread over them)
+    return (f"cpu-{cpu}-t{torch.get_num_threads()}-p{_local_processes()}"
+            .replace(" ", "_").replace("/", "_"))
+
+
+def _local_processes() -> int:
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit():
+        return int(local)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
 
 
 def _bytes(op: Op) -> int:

@@ -66,9 +66,21 @@ def test_profiling_and_comm_are_measured_on_every_rank(tmp_path, monkeypatch):
     ranks = [name.name.split("-")[0] for name in jobs.iterdir()]
     assert ranks.count("0") > 0 and ranks.count("1") > 0, ranks  # both ranks measured
     assert abs(ranks.count("0") - ranks.count("1")) <= 1  # in equal shares
-    assert (prof / "comm-cpu.json").is_file()  # measured without being asked
+    assert (prof / "comm-cpu-g2.json").is_file()  # measured without being asked
     table = next(prof.glob("compute-*.json")).read_text()
     assert table.count("|") >= 2 * len(ranks)  # every measurement reached rank 0's cache
+
+
+def test_comm_figures_are_kept_per_group_size(tmp_path):
+    import json
+
+    for g, lat in ((2, 1e-4), (8, 9e-4)):
+        (tmp_path / f"comm-cpu-g{g}.json").write_text(json.dumps({"lat": lat, "bw": 1e9,
+                                                                   "group": g}))
+    assert device_spec("cpu", tmp_path, 2).intra_lat == pytest.approx(1e-4)
+    assert device_spec("cpu", tmp_path, 8).intra_lat == pytest.approx(9e-4)
+    assert device_spec("cpu", tmp_path, 3).intra_lat == pytest.approx(1e-4)  # the nearest
+    assert device_spec("cpu", tmp_path / "none", 4).intra_lat == DEVICE_SPECS["cpu"].intra_lat
 
 
 def test_comm_model_prefers_nvlink_inside_a_node():
