@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -51,6 +52,10 @@ class DeviceSpec:
     inter_lat: float
     per_node: int
     launch: float
+    #: measured all-reduce times inside a node, ``((bytes, seconds), ...)`` by size, on a
+    #: group of ``curve_group`` processes (:func:`measure_comm`); empty: the formula
+    allreduce_curve: tuple[tuple[float, float], ...] = ()
+    curve_group: int = 0
 
 
 #: Public figures (datasheets; NCCL bus bandwidths that reach ~80% of link rate).
@@ -77,6 +82,23 @@ class CommModel:
 
     spec: DeviceSpec
 
+    def measured(self, nbytes: float, g: int) -> float | None:
+        """Seconds of an all-reduce of ``nbytes`` over ``g`` devices of a node from the
+        measured curve (linear between its points, its last slope beyond them; the hops
+        scaled from the measured group size), or ``None`` without one."""
+        curve = self.spec.allreduce_curve
+        if not curve or g <= 1:
+            return None
+        sizes = [b for b, _ in curve]
+        times = [t for _, t in curve]
+        if nbytes <= sizes[0]:
+            t = times[0]
+        else:
+            k = next((i for i in range(1, len(sizes)) if nbytes <= sizes[i]), len(sizes) - 1)
+            slope = (times[k] - times[k - 1]) / max(sizes[k] - sizes[k - 1], 1.0)
+            t = times[k - 1] + slope * (nbytes - sizes[k - 1])
+        return t * (g - 1) / max(self.spec.curve_group - 1, 1)
+
     def step_time(self, groups: Iterable[tuple[int, ...]], elements: float,
                   itemsize: int) -> float:
         groups = list(groups)
@@ -84,6 +106,13 @@ class CommModel:
             return 0.0
         g = max(len(set(grp)) for grp in groups)
         cross = any(len({d // self.spec.per_node for d in grp}) > 1 for grp in groups)
+        if not cross:
+            # the all-reduce that moves as many bytes through each device (2(g-1)/g of
+            # its size), as measured
+            size = elements * itemsize * max(g, 2) / (2 * max(g - 1, 1))
+            t = self.measured(size, max(g, 2))
+            if t is not None:
+                return t
         bw = self.spec.inter_bw if cross else self.spec.intra_bw
         lat = self.spec.inter_lat if cross else self.spec.intra_lat
         return lat * max(g - 1, 1) + elements * itemsize / bw
@@ -92,7 +121,9 @@ class CommModel:
         """Forward (and, with ``grad``, backward) time of plan ``p``; a move without a plan
         (pieces that form no layout) costs the whole tensor once each way."""
         if p is None:
-            once = self.spec.intra_lat + numel * itemsize / self.spec.intra_bw
+            once = self.measured(numel * itemsize, 2)
+            if once is None:
+                once = self.spec.intra_lat + numel * itemsize / self.spec.intra_bw
             return 2 * once if grad else once
         total = self._steps(p, itemsize)
         if grad and p.steps:
@@ -109,6 +140,13 @@ class CommModel:
         in buckets (``bucketed``): their latency is shared by :data:`BUCKET_BYTES`."""
         if g <= 1 or nbytes <= 0:
             return 0.0
+        if not cross and self.spec.allreduce_curve:
+            if bucketed:  # at the rate of a full bucket
+                full = self.measured(BUCKET_BYTES, g)
+                return full * nbytes / BUCKET_BYTES if full is not None else 0.0
+            measured = self.measured(nbytes, g)
+            if measured is not None:
+                return measured
         bw = self.spec.inter_bw if cross else self.spec.intra_bw
         lat = 2 * (g - 1) * (self.spec.inter_lat if cross else self.spec.intra_lat)
         if bucketed:
@@ -131,10 +169,13 @@ def _cached_groups(profile_dir: Path, device: str) -> list[int]:
     return sorted(out)
 
 
-def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 23),
-                 repeat: int = 9) -> dict[str, float] | None:
-    """Measure all-reduce on the present ``torch.distributed`` group and cache the fitted
-    latency and bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
+def measure_comm(profile_dir: Path | str, *,
+                 sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 19, 1 << 20, 1 << 21,
+                                           1 << 23, 1 << 25),
+                 repeat: int = 9) -> dict[str, Any] | None:
+    """Measure all-reduce on the present ``torch.distributed`` group and cache the times
+    per size (``points``, which the model interpolates) with a fitted latency and
+    bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
@@ -191,7 +232,9 @@ def measure_comm(profile_dir: Path | str, *, sizes: tuple[int, ...] = (1 << 12, 
     k = 2 * (g - 1) / g
     bw = k * (s1 - s0) / max(t1 - t0, 1e-9)
     lat = max((t0 - k * s0 / bw) / (2 * (g - 1)), 1e-7)
-    figures = {"lat": lat, "bw": bw, "group": g}
+    # the figures (for a reader) and the measured points, which the model interpolates:
+    # mid-sized messages cost more per byte than a line through the ends says
+    figures = {"lat": lat, "bw": bw, "group": g, "points": [list(x) for x in points]}
     if dist.get_rank() == 0:
         path = _cache_file(Path(profile_dir), device_type(), g)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,10 +268,12 @@ def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> Device
     if path.is_file():
         try:
             fig = json.loads(path.read_text())
+            curve = tuple(sorted((float(b), float(t)) for b, t in fig.get("points", ())))
             return attrs.evolve(base, name=kind, intra_bw=float(fig["bw"]),
                                 inter_bw=float(fig["bw"]), intra_lat=float(fig["lat"]),
-                                inter_lat=float(fig["lat"]))
-        except (OSError, ValueError, KeyError) as e:
+                                inter_lat=float(fig["lat"]), allreduce_curve=curve,
+                                curve_group=int(fig.get("group", nearest)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("autodist: ignoring the unreadable communication profile %s (%s)",
                            path, e)
     return attrs.evolve(base, name=kind)

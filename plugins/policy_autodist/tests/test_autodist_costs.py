@@ -83,6 +83,23 @@ def test_comm_figures_are_kept_per_group_size(tmp_path):
     assert device_spec("cpu", tmp_path / "none", 4).intra_lat == DEVICE_SPECS["cpu"].intra_lat
 
 
+def test_measured_points_are_interpolated():
+    import attrs
+
+    curve = ((4096.0, 1e-4), (2.0**20, 2e-3), (2.0**23, 8e-3))
+    spec = attrs.evolve(DEVICE_SPECS["cpu"], allreduce_curve=curve, curve_group=2)
+    comm = CommModel(spec)
+    assert comm.measured(100, 2) == pytest.approx(1e-4)  # below the first point
+    mid = (4096 + 2**20) / 2
+    assert comm.measured(mid, 2) == pytest.approx((1e-4 + 2e-3) / 2)
+    assert comm.measured(2.0**24, 2) == pytest.approx(8e-3 + 6e-3 / 7 * 8)  # last slope
+    assert comm.measured(2.0**20, 4) == pytest.approx(3 * 2e-3)  # three hops, not one
+    # on 2 devices a ring all-reduce of S bytes moves S through each: a step moving 2^20
+    # bytes through each device is the 2^20-byte all-reduce
+    assert comm.step_time([(0, 1)], 2**18, 4) == pytest.approx(2e-3)
+    assert comm.allreduce_time(2**20, 2, bucketed=False) == pytest.approx(2e-3)
+
+
 def test_comm_model_prefers_nvlink_inside_a_node():
     comm = CommModel(DEVICE_SPECS["H100"])
     inside = comm.step_time([(0, 1, 2, 3)], 1e6, 2)
