@@ -387,9 +387,14 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
 
 
-def measure_adam(large: int = 1 << 20, small: int = 256, count: int = 64,
-                 steps: int = 5) -> tuple[float, float]:
-    """(seconds per parameter, seconds per byte) of ``torch.optim.Adam``'s step here."""
+def measure_adam(large: int = 1 << 20, many: int = 8, small: int = 256, count: int = 64,
+                 steps: int = 3) -> tuple[float, float]:
+    """(seconds per parameter, seconds per byte) of ``torch.optim.Adam``'s step here:
+    per byte on ``many`` parameters of ``large`` elements (states far larger than the
+    caches, as a model's are), per parameter on ``count`` tiny ones; the median of
+    ``steps`` steps each."""
+    import statistics
+
     from nnscaler.runtime.device import current_device, device_type
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
@@ -399,19 +404,22 @@ def measure_adam(large: int = 1 << 20, small: int = 256, count: int = 64,
             p.grad = torch.randn_like(p)
         opt = torch.optim.Adam(params, lr=1e-3)
         opt.step()  # creates the states
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        samples = []
         for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
 
-    many = timed([torch.zeros(small, device=device, requires_grad=True) for _ in range(count)])
-    one = timed([torch.zeros(large, device=device, requires_grad=True)])
-    per_param = max(many - count * small * (one / large), 0.0) / count
-    per_byte = max(one - per_param, 0.0) / (4 * large)
+    tiny = timed([torch.zeros(small, device=device, requires_grad=True) for _ in range(count)])
+    big = timed([torch.zeros(large, device=device, requires_grad=True) for _ in range(many)])
+    per_byte_big = big / (4 * large * many)
+    per_param = max(tiny - count * small * 4 * per_byte_big, 0.0) / count
+    per_byte = max(big - many * per_param, 0.0) / (4 * large * many)
     return per_param, per_byte
 
 
