@@ -173,10 +173,21 @@ class ComputeProfiler:
                     jobs[key] = (job, op, num * scale)
         if not jobs:
             return 0
+        import pickle
+
         from nnscaler.parallel import map_over_ranks
 
-        times = map_over_ranks(run_job, [job for job, _, _ in jobs.values()])
-        for (key, (job, op, parts)), got in zip(jobs.items(), times):
+        def travels(job: ProfileJob) -> bool:
+            try:
+                pickle.dumps(job)
+            except Exception:  # noqa: BLE001 - an argument that cannot leave this process
+                return False
+            return True
+
+        spread = [key for key, (job, _, _) in jobs.items() if travels(job)]
+        times = dict(zip(spread, map_over_ranks(run_job, [jobs[k][0] for k in spread])))
+        for key, (job, op, parts) in jobs.items():
+            got = times[key] if key in times else run_job(job)  # measured here
             self._store(key, job, op, parts, got)
         return len(jobs)
 

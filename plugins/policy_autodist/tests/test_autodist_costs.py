@@ -185,3 +185,33 @@ def test_optimizer_time_is_measured_here_and_analytic_for_a_named_device(tmp_pat
     assert here.optimizer_time(1024, opt_state=0) < small  # SGD's step moves fewer bytes
     h100 = ComputeProfiler(DEVICE_SPECS["H100"], tmp_path, measure=False)
     assert h100.optimizer_time(2**30) == pytest.approx(7 * 2**30 / DEVICE_SPECS["H100"].mem_bw)
+
+
+def test_a_job_that_cannot_travel_is_measured_here(tmp_path, monkeypatch):
+    import threading
+
+    import nnscaler.parallel
+    from nnscaler_policy_autodist import profile
+
+    sent = []
+
+    def recording_map(fn, items):
+        sent.extend(items)
+        return [fn(x) for x in items]
+
+    monkeypatch.setattr(nnscaler.parallel, "map_over_ranks", recording_map)
+    graph = _linear_graph(8)
+    op = graph.nodes()[0]
+    prof = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path, measure=True)
+    real_job = prof._job
+
+    def job_with_a_lock(op, t, num):  # an argument pickle refuses (a lock)
+        key, job, scale = real_job(op, t, num)
+        return key, profile.ProfileJob(op=job.op, args=job.args,
+                                       kwargs={**job.kwargs, "lock": threading.Lock()},
+                                       grads=job.grads), scale
+
+    monkeypatch.setattr(prof, "_job", job_with_a_lock)
+    assert prof.prefetch([(op, None, 1)]) == 1
+    assert sent == []  # not sent to the other ranks
+    assert prof.time(op, None, 1)[0] > 0  # measured (here: estimated, linear refuses it)
