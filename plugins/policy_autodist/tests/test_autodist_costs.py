@@ -190,8 +190,9 @@ def test_optimizer_time_is_measured_here_and_analytic_for_a_named_device(tmp_pat
 def test_a_job_that_cannot_travel_is_measured_here(tmp_path, monkeypatch):
     import threading
 
-    import nnscaler.parallel
     from nnscaler_policy_autodist import profile
+
+    import nnscaler.parallel
 
     sent = []
 
