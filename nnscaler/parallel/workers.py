@@ -152,7 +152,6 @@ def serve() -> Any:
             dist.gather_object(("error", f"unknown message {kind!r}"), None, dst=0)
 
 
-def finish(outcome: Any) -> Any:
+def finish(outcome: Any) -> None:
     """On rank 0: end the other ranks' :func:`serve` with the outcome."""
     dist.broadcast_object_list([("done", outcome)], src=0)
-    return outcome

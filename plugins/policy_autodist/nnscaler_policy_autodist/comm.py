@@ -142,11 +142,8 @@ class CommModel:
             return 0.0
         if not cross and self.spec.allreduce_curve:
             if bucketed:  # at the rate of a full bucket
-                full = self.measured(BUCKET_BYTES, g)
-                return full * nbytes / BUCKET_BYTES if full is not None else 0.0
-            measured = self.measured(nbytes, g)
-            if measured is not None:
-                return measured
+                return self.measured(BUCKET_BYTES, g) * nbytes / BUCKET_BYTES
+            return self.measured(nbytes, g)
         bw = self.spec.inter_bw if cross else self.spec.intra_bw
         lat = 2 * (g - 1) * (self.spec.inter_lat if cross else self.spec.intra_lat)
         if bucketed:

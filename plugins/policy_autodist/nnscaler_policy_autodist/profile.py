@@ -2,16 +2,17 @@
 
 For an op split by a transform (or whole), :class:`ComputeProfiler` runs one part,
 forward then backward, on tensors of the part's shapes (random floats, zeros for
-integers, ``True`` for masks), a few times, and keeps the mean without the slowest call. The cache is a JSON file per
-device under the profile directory, keyed by op name, shapes, dtypes, keyword arguments,
-the split and its number of parts: a second compile profiles nothing.
+integers, ``True`` for masks), a few times, and keeps the mean without the slowest call.
+The cache is a JSON file per device under the profile directory, keyed by op name,
+shapes, dtypes, keyword arguments, the split and its number of parts: a second compile
+profiles nothing.
 
 An op too large to run here (more than ``max_bytes`` of tensors, or its parameters on
 the meta device only) is never run: its time is measured on a part of a split that
 shrinks it (the first transform whose outputs are split, in ``m`` parts) and multiplied
-by ``m``, its work ratio. An op that cannot run alone (a collective part, an op whose
-function fails on made-up values) gets the analytic estimate of the device's figures
-(:func:`analytic_time`). For a named device that is not here (``device_type='H100'``),
+by ``m``, its work ratio. A part that cannot run alone (its parts talk to each other)
+costs its share of the whole op; an op whose function fails on made-up values gets the
+analytic estimate of the device's figures (:func:`analytic_time`). For a named device that is not here (``device_type='H100'``),
 every op gets the analytic estimate: its work over the device's throughput, or its bytes
 over its memory bandwidth, whichever is longer.
 """
@@ -145,7 +146,7 @@ class ComputeProfiler:
             self._table[key] = list(measure_adam())
             self._dirty = True
         per_param, per_byte = self._table[key]
-        return per_param + per_byte * nbytes * passes / 7.0
+        return per_param + per_byte * nbytes * passes / (3 + 2 * 2)  # Adam: 2 states
 
     def save(self) -> None:
         """Write the cache (atomically) when something new was measured."""
@@ -235,7 +236,8 @@ class ComputeProfiler:
         if found is None:
             if t is not None and op.anno is not None and op.opdef is not None \
                     and not op.opdef.collective:
-                # parts that talk to each other (a collective part op): the whole's share
+                # a part that cannot run alone (its parts talk to each other) or cannot
+                # be shrunk to fit: the whole op's share
                 fw, bw = self.time(op, None, 1)
                 return fw / num, bw / num
             return analytic_time(op, self.spec, num)
