@@ -184,6 +184,32 @@ def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: 
     return out
 
 
+def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
+             ) -> tuple[dict[str, float], dict[str, dict], dict[str, str]]:
+    """Per mode the median step in seconds (a step is as slow as its slowest rank),
+    autodist's estimates and the modes that failed to plan.
+
+    With ``--isolate`` every mode runs in processes of its own: modes resident in the
+    same processes slow each other down (the same plan measured 108 ms alone and 138 ms
+    with six other modes interleaved), which a user training one model never sees.
+    """
+    med: dict[str, float] = {}
+    infos: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    groups = [(m,) for m in modes] if args.isolate else [modes]
+    for rnd in range(args.rounds if args.isolate else 1):
+        for group in groups if rnd % 2 == 0 else groups[::-1]:
+            with tempfile.TemporaryDirectory() as gen:
+                results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
+                                 gen, args.profile_dir, group)
+            failed.update(results[0]["failed"])
+            infos.update(results[0]["infos"])
+            for m in results[0]["times"]:
+                per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
+                med[m] = min(med.get(m, float("inf")), statistics.median(per_step))
+    return {m: med[m] for m in modes if m in med}, infos, failed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -193,29 +219,28 @@ def main() -> None:
                     help="default: the baselines and autodist's modes for --world")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each mode in processes of its own (default), as a user "
+                         "trains one model per process; --no-isolate interleaves them")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="with --isolate: runs of every mode, in alternating order")
     ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
                                                           "nnscaler-autodist-bench"))
     args = ap.parse_args()
     modes = tuple(args.modes or [*baselines(args.world), *autodist_modes(args.world)])
     rows = []
+    how = (f"each mode in its own processes, {args.rounds} round(s) in alternating order, "
+           f"the lowest median kept" if args.isolate else "modes interleaved step by step")
     print(f"CPU, gloo, {args.world} processes of one thread each; global batch {args.batch}; "
           f"{args.steps} timed steps after {args.warmup} (median of the per-step max over "
-          f"ranks; the machine is shared, modes interleaved step by step)")
+          f"ranks; {how})")
     for kind in args.models:
-        with tempfile.TemporaryDirectory() as gen:
-            try:
-                results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
-                                 gen, args.profile_dir, modes)
-            except RuntimeError as e:
-                print(f"{kind}: failed: {str(e)[-400:]}")
-                rows.append({"model": kind, "error": str(e)[-400:]})
-                continue
-        failed = results[0]["failed"]
-        med = {}
-        for m in results[0]["times"]:
-            per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
-            med[m] = statistics.median(per_step)
-        infos = results[0]["infos"]
+        try:
+            med, infos, failed = _measure(kind, modes, args)
+        except RuntimeError as e:
+            print(f"{kind}: failed: {str(e)[-400:]}")
+            rows.append({"model": kind, "error": str(e)[-400:]})
+            continue
         ran = [m for m in med if m.startswith("autodist") and "estimate_ms" in
                infos.get(m, {})]
         chosen = min(ran, key=lambda m: infos[m]["estimate_ms"]) if ran else None

@@ -116,6 +116,8 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
         profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops),
                                                                  count_layers(ops))
                            for op in ops for t in model.transforms(op, n // s)])
+    if here:  # the ops' times as they take in a whole step of this model
+        profiler.calibrate(ops, g.output_tensors())
     if cfg.load_plan_path is not None:
         pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, model,
                                                     nmicros)

@@ -216,3 +216,53 @@ def test_a_job_that_cannot_travel_is_measured_here(tmp_path, monkeypatch):
     assert prof.prefetch([(op, None, 1)]) == 1
     assert sent == []  # not sent to the other ranks
     assert prof.time(op, None, 1)[0] > 0  # measured (here: estimated, linear refuses it)
+
+
+def _mlp_graph() -> IRGraph:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    return IRGraph.from_graph(trace(model, {"input": torch.randn(32, 64)}))
+
+
+def test_calibration_scales_op_and_optimizer_times_to_a_measured_step(tmp_path, monkeypatch):
+    from nnscaler_policy_autodist import profile
+
+    g = _mlp_graph()
+    ops = g.nodes()
+    prof = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path)
+    raw = [prof.time(op, None, 1) for op in ops]
+    parts = sum(fw + bw for fw, bw in raw)
+    opt_raw = sum(prof.optimizer_time(p.numel * 4) for p in g.parameters())
+    monkeypatch.setattr(profile, "_run_model", lambda *a, **k: (3 * parts, 0.5 * opt_raw))
+    assert prof.calibrate(ops, g.output_tensors()) == pytest.approx((3.0, 0.5))
+    scaled = [x for op in ops for x in prof.time(op, None, 1)]
+    assert scaled == pytest.approx([3 * x for pair in raw for x in pair])
+    assert sum(prof.optimizer_time(p.numel * 4) for p in g.parameters()) == pytest.approx(
+        0.5 * opt_raw)
+    prof.save()
+    # cached with the profile: a second compile of the same model runs nothing
+    monkeypatch.setattr(profile, "_run_model", lambda *a, **k: pytest.fail("measured again"))
+    again = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path)
+    assert again.calibrate(ops, g.output_tensors()) == pytest.approx((3.0, 0.5))
+
+
+def test_calibration_runs_the_model_on_made_up_values(tmp_path):
+    from nnscaler_policy_autodist.profile import _run_model
+
+    g = _mlp_graph()
+    step, opt = _run_model(g.nodes(), g.output_tensors(), 1 << 30)
+    assert step > 0 and opt > 0
+    # a model that does not fit the allowance is not run, and keeps its parts' times
+    why = _run_model(g.nodes(), g.output_tensors(), 1024)
+    assert isinstance(why, str) and "MiB" in why
+    prof = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path)
+    assert prof.calibrate(g.nodes(), g.output_tensors(), max_bytes=1024) == (1.0, 1.0)
+
+
+def test_a_named_device_is_not_calibrated(tmp_path, monkeypatch):
+    from nnscaler_policy_autodist import profile
+
+    monkeypatch.setattr(profile, "_run_model", lambda *a, **k: pytest.fail("ran the model"))
+    g = _mlp_graph()
+    h100 = ComputeProfiler(DEVICE_SPECS["H100"], tmp_path, measure=False)
+    assert h100.calibrate(g.nodes(), g.output_tensors()) == (1.0, 1.0)
