@@ -155,7 +155,9 @@ class ComputeProfiler:
         here once in program order on made-up values (forward, then backward from
         ``outputs``; then Adam's step over its weights), and ``factors`` become the
         measured times over the sums of the profiled parts and of :meth:`optimizer_time`.
-        The factors are cached per model, with the profile. A model larger than
+        Inside a distributed ``parallelize`` the other ranks keep their cores busy
+        meanwhile, as in training. The factors are cached per model, with the profile.
+        A model larger than
         ``max_bytes``, one whose ops reject made-up values, and a named device that is
         not here, keep the factors 1.
         """
@@ -173,7 +175,15 @@ class ComputeProfiler:
                        if x.full.is_leaf and x.full.requires_grad
                        and x.full.kind is not TensorKind.INPUT}
             opt = sum(self._optimizer_raw(w.numel * w.dtype.itemsize) for w in weights)
-            got = _run_model(ops, outputs, max_bytes)
+            # the other ranks keep their cores busy meanwhile, as they do in training
+            # (four ranks on two cores run each op at half speed, as their profile says)
+            from nnscaler.parallel import call_on_every_rank
+
+            _HERE["job"] = (ops, outputs, max_bytes)
+            try:
+                got = call_on_every_rank(_calibration_share, 2 * 4 * (parts + opt))[0]
+            finally:
+                _HERE.pop("job", None)
             if isinstance(got, str):
                 logger.info("autodist: op times not calibrated on the whole model (%s)", got)
                 factors = [1.0, 1.0]
@@ -458,6 +468,22 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     samples.sort(key=lambda x: x[0] + x[1])
     kept = samples[:-1]
     return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
+
+
+_HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
+
+
+def _calibration_share(seconds: float) -> tuple[float, float] | str | None:
+    """Rank 0 runs the model it calibrates (:func:`_run_model`); every other rank keeps
+    its core busy with matmuls for about ``seconds``, as it would in training."""
+    job = _HERE.pop("job", None)
+    if job is not None:
+        return _run_model(*job)
+    work = torch.randn(192, 192)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        work @ work
+    return None
 
 
 def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
