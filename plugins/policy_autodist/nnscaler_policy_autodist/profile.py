@@ -167,7 +167,7 @@ class ComputeProfiler:
 
         digest = hashlib.sha1("\n".join(self._key(op.name, op.inputs, dict(op.kwargs), op)
                                         for op in ops).encode()).hexdigest()[:16]
-        key = f"calibration|{digest}"
+        key = f"calibration|{CALIBRATION_METHOD}|{digest}"
         if key not in self._table:
             parts = sum(fw + (bw if _grads(op) else 0.0)
                         for op in ops for fw, bw in [self._raw(op, None, 1)])
@@ -469,6 +469,9 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     kept = samples[:-1]
     return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
 
+
+#: How :meth:`ComputeProfiler.calibrate` measures; factors cached another way are not used.
+CALIBRATION_METHOD = 2
 
 _HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
 
