@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from nnscaler_policy_autodist import DEVICE_SPECS, AutoDistError, measure_comm
 from nnscaler_policy_autodist.comm import CommModel, device_spec
 from nnscaler_policy_autodist.profile import ComputeProfiler, analytic_time
 from torch import nn
 
 from nnscaler.graph import IRGraph
+from nnscaler.testing import run_distributed
 from nnscaler.trace import trace
 
 

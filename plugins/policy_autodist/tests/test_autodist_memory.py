@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from nnscaler_policy_autodist.memory import MeasureError, measure_peak, tensor_bytes
 from nnscaler_policy_autodist.spmd import NoPlanFits
+
+from nnscaler.testing import run_distributed
 
 MiB = 2**20
 GB = 1024**3

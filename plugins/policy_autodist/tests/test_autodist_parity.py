@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from autodist_cases import train
-from dist_utils import run_distributed
+
+from nnscaler.testing import run_distributed
 
 
 def _run(rank, world, kind, plan_ngpus, pas_config, outdir, micro):

@@ -5,18 +5,11 @@ a gloo process launcher, and one parity worker that runs several plans per proce
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import pickle
-import socket
-import tempfile
-import traceback
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,55 +149,3 @@ def parity_worker(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
             raise AssertionError(f"{case_id}: rank {rank} holds no parameter")
         done.append(case_id)
     return done
-
-
-# -- a small gloo launcher (the plugin's tests do not reach into the kernel's tests) --------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world: int, port: int, outdir: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result: Any = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` forked processes joined by gloo; the
-    results in rank order, or the first failing rank's traceback."""
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, port, outdir, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        results = []
-        for r in range(world):
-            path = os.path.join(outdir, f"{r}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} died or timed out (exit code {procs[r].exitcode})")
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results

@@ -7,7 +7,9 @@ runs many plans: starting processes and importing torch dominate on a small mach
 from __future__ import annotations
 
 import pytest
-from _helpers import parity_worker, run_distributed
+from _helpers import parity_worker
+
+from nnscaler.testing import run_distributed
 
 pytest.importorskip("transformers")
 
@@ -27,12 +29,12 @@ FOUR = [
 @pytest.mark.slow
 def test_parity_on_two_processes(tmp_path):
     cases = [(kind, sizes) for kind in KINDS for sizes in TWO]
-    done = run_distributed(parity_worker, 2, cases, str(tmp_path))
+    done = run_distributed(parity_worker, 2, cases, str(tmp_path), timeout=600)
     assert all(len(d) == len(cases) for d in done)
 
 
 @pytest.mark.slow
 def test_parity_on_four_processes(tmp_path):
     cases = [(kind, sizes) for kind in KINDS for sizes in FOUR]
-    done = run_distributed(parity_worker, 4, cases, str(tmp_path))
+    done = run_distributed(parity_worker, 4, cases, str(tmp_path), timeout=600)
     assert all(len(d) == len(cases) for d in done)
