@@ -9,7 +9,8 @@
   inputs and outputs (nesting kept); ``str(graph)`` prints one op a line;
 - :class:`OpPlan`: where a policy placed an op instance (device, stage, recompute group);
 - :func:`leaf_values`: the values of a graph's parameters, buffers, constants and inputs;
-- :func:`run_graph`: executes a graph on one device (the reference for tests), and
+- :func:`run_graph`: executes a graph on one device (the reference for tests), with
+  :func:`run_ops`: the ops of a list in order on given values; and
   :func:`verify_graph`: checks that a graph reproduces its module's outputs and gradients.
 """
 
@@ -20,6 +21,7 @@ from nnscaler.ir.interpreter import (
     default_device,
     leaf_values,
     run_graph,
+    run_ops,
     verify_graph,
 )
 from nnscaler.ir.op import Op, OpPlan, tensors_in
@@ -40,6 +42,7 @@ __all__ = [
     "dtype_str",
     "leaf_values",
     "run_graph",
+    "run_ops",
     "tensors_in",
     "verify_graph",
 ]

@@ -7,7 +7,7 @@ the same order and grad mode, its outputs and gradients equal the module's bit f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler.errors import NNScalerError
 from nnscaler.ir.graph import Graph
+from nnscaler.ir.op import Op
 from nnscaler.ir.tensor import CURRENT_DEVICE, FullTensor, SubTensor, TensorKind
 
 
@@ -112,25 +113,34 @@ def run_graph(
     """
     env = leaf_values(graph, params, forward_args)
     device = default_device(env) if device is None else torch.device(device)
+    run_ops(graph.ops, env, device)
+    return pytree.tree_map(lambda leaf: _value(leaf, env, device), graph.outputs)
 
-    def value_of(leaf: Any) -> Any:
-        if isinstance(leaf, SubTensor):
-            if not leaf.is_whole:
-                raise InterpreterError(
-                    f"the interpreter runs whole tensors only, got the piece {leaf}; "
-                    "run a traced (not partitioned) graph"
-                )
-            return env[leaf.full]
-        if leaf is CURRENT_DEVICE:
-            return device
-        return leaf
 
+def _value(leaf: Any, env: Mapping[FullTensor, Any], device: torch.device) -> Any:
+    if isinstance(leaf, SubTensor):
+        if not leaf.is_whole:
+            raise InterpreterError(
+                f"the interpreter runs whole tensors only, got the piece {leaf}; "
+                "run a traced (not partitioned) graph"
+            )
+        return env[leaf.full]
+    if leaf is CURRENT_DEVICE:
+        return device
+    return leaf
+
+
+def run_ops(ops: Sequence[Op], env: dict[FullTensor, Any], device: torch.device) -> None:
+    """Run ``ops`` in order, each in its recorded grad mode, reading their tensors from
+    ``env`` (which must hold every leaf they read) and adding what each writes to it.
+    :func:`run_graph` runs a graph's ops so; a policy may run a list of them on values it
+    made up (to time them, say)."""
     grad_on = torch.is_grad_enabled()
     try:
-        for op in graph.ops:
+        for op in ops:
             torch.set_grad_enabled(grad_on and not op.no_grad)
-            inputs = pytree.tree_map(value_of, op.inputs)
-            kwargs = pytree.tree_map(value_of, dict(op.kwargs))
+            inputs = pytree.tree_map(lambda leaf: _value(leaf, env, device), op.inputs)
+            kwargs = pytree.tree_map(lambda leaf: _value(leaf, env, device), dict(op.kwargs))
             result = op.call(inputs, kwargs)
             for before, after in op.mutations:
                 env[after.full] = env[before.full]
@@ -139,7 +149,6 @@ def run_graph(
                     env[ir.full] = value
     finally:
         torch.set_grad_enabled(grad_on)
-    return pytree.tree_map(value_of, graph.outputs)
 
 
 class GraphMismatchError(NNScalerError, AssertionError):

@@ -496,7 +496,7 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
     the median of ``repeat`` runs after a warm-up; or why it cannot run."""
     import statistics
 
-    from nnscaler.ir import CURRENT_DEVICE
+    from nnscaler.ir import run_ops
     from nnscaler.runtime.device import current_device, device_type
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
@@ -529,27 +529,9 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
 
     def once() -> float:
         env: dict[Any, Any] = dict(leaves)
-
-        def value(x: Any) -> Any:
-            if isinstance(x, SubTensor):
-                return env[x.full]
-            return device if x is CURRENT_DEVICE else x
-
-        grad_on = torch.is_grad_enabled()
         sync()
         t0 = time.perf_counter()
-        try:
-            for op in ops:
-                torch.set_grad_enabled(grad_on and not op.no_grad)
-                result = op.call(pytree.tree_map(value, op.inputs),
-                                 pytree.tree_map(value, dict(op.kwargs)))
-                for before, after in op.mutations:
-                    env[after.full] = env[before.full]
-                for ir, v in zip(op.outputs, pytree.tree_leaves(result), strict=True):
-                    if isinstance(ir, SubTensor):
-                        env[ir.full] = v
-        finally:
-            torch.set_grad_enabled(grad_on)
+        run_ops(ops, env, device)
         outs = [env[f] for f in ends if isinstance(env.get(f), torch.Tensor)
                 and env[f].requires_grad]
         if outs:
@@ -561,21 +543,32 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
         with torch.enable_grad():
             once()
             step = statistics.median(once() for _ in range(repeat))
-        opt_time = 0.0
-        if weights:
-            opt = torch.optim.Adam(weights, lr=1e-6)
-            opt.step()  # creates the states
-            samples = []
-            for _ in range(repeat):
-                sync()
-                t0 = time.perf_counter()
-                opt.step()
-                sync()
-                samples.append(time.perf_counter() - t0)
-            opt_time = statistics.median(samples)
+        opt_time = _adam_seconds(weights, repeat) if weights else 0.0
     except Exception as e:  # noqa: BLE001 - made-up values an op rejects
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return step, opt_time
+
+
+def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
+    """The median seconds of ``steps`` steps of ``torch.optim.Adam`` over ``params``
+    (made-up gradients; after a first step that creates the states)."""
+    import statistics
+
+    cuda = params[0].device.type == "cuda"
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam(params, lr=1e-6)
+    opt.step()
+    samples = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 def measure_adam(large: int = 1 << 20, many: int = 8, small: int = 256, count: int = 64,
@@ -584,30 +577,14 @@ def measure_adam(large: int = 1 << 20, many: int = 8, small: int = 256, count: i
     per byte on ``many`` parameters of ``large`` elements (states far larger than the
     caches, as a model's are), per parameter on ``count`` tiny ones; the median of
     ``steps`` steps each."""
-    import statistics
-
     from nnscaler.runtime.device import current_device, device_type
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
 
-    def timed(params: list[torch.Tensor]) -> float:
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.Adam(params, lr=1e-3)
-        opt.step()  # creates the states
-        samples = []
-        for _ in range(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    tiny = timed([torch.zeros(small, device=device, requires_grad=True) for _ in range(count)])
-    big = timed([torch.zeros(large, device=device, requires_grad=True) for _ in range(many)])
+    tiny = _adam_seconds([torch.zeros(small, device=device, requires_grad=True)
+                          for _ in range(count)], steps)
+    big = _adam_seconds([torch.zeros(large, device=device, requires_grad=True)
+                         for _ in range(many)], steps)
     per_byte_big = big / (4 * large * many)
     per_param = max(tiny - count * small * 4 * per_byte_big, 0.0) / count
     per_byte = max(big - many * per_param, 0.0) / (4 * large * many)
