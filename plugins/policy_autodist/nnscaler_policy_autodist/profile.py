@@ -157,9 +157,8 @@ class ComputeProfiler:
         measured times over the sums of the profiled parts and of :meth:`optimizer_time`.
         Inside a distributed ``parallelize`` the other ranks keep their cores busy
         meanwhile, as in training. The factors are cached per model, with the profile.
-        A model larger than
-        ``max_bytes``, one whose ops reject made-up values, and a named device that is
-        not here, keep the factors 1.
+        A model larger than ``max_bytes``, one whose ops reject made-up values, and a
+        named device that is not here, keep the factors 1.
         """
         if not self.measure:
             return self.factors
@@ -179,11 +178,13 @@ class ComputeProfiler:
             # (four ranks on two cores run each op at half speed, as their profile says)
             from nnscaler.parallel import call_on_every_rank
 
-            _HERE["job"] = (ops, outputs, max_bytes)
-            try:
-                got = call_on_every_rank(_calibration_share, 2 * 4 * (parts + opt))[0]
-            finally:
-                _HERE.pop("job", None)
+            got = _too_large(ops, max_bytes)
+            if got is None:  # else nothing to run, on any rank
+                _HERE["job"] = (ops, outputs, max_bytes)
+                try:
+                    got = call_on_every_rank(_calibration_share, 2 * 4 * (parts + opt))[0]
+                finally:
+                    _HERE.pop("job", None)
             if isinstance(got, str):
                 logger.info("autodist: op times not calibrated on the whole model (%s)", got)
                 factors = [1.0, 1.0]
@@ -489,6 +490,20 @@ def _calibration_share(seconds: float) -> tuple[float, float] | str | None:
     return None
 
 
+def _too_large(ops: Sequence[Op], max_bytes: int) -> str | None:
+    """Why running ``ops`` whole would hold more than ``max_bytes`` (its activations, and
+    its weights with their gradients and Adam's states), or ``None``."""
+    held = 0
+    for op in ops:
+        for x in (*op.input_tensors(), *op.output_tensors()):
+            n = x.full.numel * x.full.dtype.itemsize
+            held += 4 * n if x.full.is_leaf and x.full.requires_grad else n
+    if held <= max_bytes:
+        return None
+    return (f"it holds about {held / 2**20:.0f} MiB, more than the "
+            f"{max_bytes / 2**20:.0f} MiB allowed for calibration")
+
+
 def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
                repeat: int = 3) -> tuple[float, float] | str:
     """(seconds of forward and backward, seconds of Adam's step) of running ``ops`` in
@@ -501,15 +516,10 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
+    too_large = _too_large(ops, max_bytes)
+    if too_large is not None:
+        return too_large
     leaves: dict[Any, torch.Tensor] = {}
-    held = 0
-    for op in ops:
-        for x in (*op.input_tensors(), *op.output_tensors()):
-            n = x.full.numel * x.full.dtype.itemsize
-            held += 4 * n if x.full.is_leaf and x.full.requires_grad else n
-    if held > max_bytes:
-        return f"it holds about {held / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB " \
-               f"allowed for calibration"
     for op in ops:
         for x in op.input_tensors():
             f = x.full
