@@ -152,7 +152,7 @@ class CommModel:
 
 
 #: How :func:`measure_comm` measures; figures cached another way are measured again.
-METHOD = 2
+METHOD = 3
 
 
 def _cache_file(profile_dir: Path, device: str, group: int) -> Path:
@@ -170,23 +170,44 @@ def _cached_groups(profile_dir: Path, device: str) -> list[int]:
     return sorted(out)
 
 
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest to ``values`` in least squares (pooling
+    adjacent violators): a larger message never costs less, and a noisy point is
+    averaged with its neighbours instead of lifting every size after it."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    out: list[float] = []
+    for total, n in blocks:
+        out.extend([total / n] * int(n))
+    return out
+
+
 def measure_comm(profile_dir: Path | str, *,
-                 sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 19, 1 << 20, 1 << 21,
-                                           1 << 23, 1 << 25),
-                 repeat: int = 15, segment: int = 16) -> dict[str, Any] | None:
+                 sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 21,
+                                           1 << 23, BUCKET_BYTES),
+                 repeat: int = 9, segment: int = 16, syncs: int = 6) -> dict[str, Any] | None:
     """Measure all-reduce on the present ``torch.distributed`` group and cache the times
     per size (``points``, which the model interpolates) with a fitted latency and
     bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
     of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
     Returns the figures, or ``None`` without a process group of two or more ranks.
 
-    Each all-reduce is timed as training meets it: through the runtime's adapter, right
-    after a computation of ``segment`` 192x192 matmuls (about 2 ms on one CPU thread,
-    an op or two of a layer), so that its time includes the adapter's bookkeeping and
-    waiting for the slowest rank, and the median of ``repeat`` is kept. On this
-    project's 2-core machine a 4 KiB all-reduce costs 0.3 ms back to back, 0.5-1.6 ms
-    after 0.8 ms of computation and 2-2.6 ms after 7.6 ms: the ranks drift apart while
-    they compute, and a collective waits for the slower one.
+    A collective is measured by what it adds to a computation, as training meets it:
+    ``syncs`` rounds of ``segment`` 192x192 matmuls (about 2 ms on one CPU thread, an op
+    or two of a layer) each followed by an all-reduce through the runtime's adapter,
+    against the same rounds without the all-reduce, both timed on the slowest rank
+    (mean of ``repeat``: the waits of a step's collectives add up, so their mean is what
+    a step pays, and it is larger than their median, for a few waits are long). The difference counts what timing the call alone misses: the
+    wait for the slower rank, a sleeping process's wake-up, and the computation after it
+    running slower. On this project's 2-core machine a 4 KiB all-reduce costs 0.3-2 ms
+    back to back but adds 1.3-3 ms to a computation; 16 rounds of 2.3 ms of matmuls took
+    79 ms with one all-reduce and 112 ms with one after each round. The times are made
+    non-decreasing in the size (:func:`monotone`).
 
     ``autodist`` calls it itself, through :func:`nnscaler.parallel.call_on_every_rank`,
     the first time it plans inside a distributed ``parallelize`` with no figures cached.
@@ -210,26 +231,37 @@ def measure_comm(profile_dir: Path | str, *,
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    points = []
-    for size in sizes:
-        # through the runtime, as generated code runs it (its bookkeeping included)
-        shape = (size // 4,)
-        reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
-        ensure_groups(plan_groups(reduce))
-        x = torch.ones(shape, dtype=torch.float32, device=dev)
-        with torch.no_grad():
-            execute_plan(reduce, x)
-            dist.barrier()
-            samples = []
-            for _ in range(repeat):
-                for _ in range(segment):
-                    work @ work  # the computation a collective follows in training
-                sync()
-                t0 = time.perf_counter()
+    def rounds(reduce: Plan | None, x: torch.Tensor | None) -> float:
+        """Seconds of ``syncs`` rounds on the slowest rank."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(syncs):
+            for _ in range(segment):
+                work @ work  # the computation a collective follows in training
+            if reduce is not None:
                 execute_plan(reduce, x)
-                sync()
-                samples.append(time.perf_counter() - t0)
-        points.append((size, statistics.median(samples)))
+        sync()
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took.item())
+
+    with torch.no_grad():
+        rounds(None, None)
+        compute = statistics.fmean(rounds(None, None) for _ in range(repeat))
+        times = []
+        for size in sizes:
+            # through the runtime, as generated code runs it (its bookkeeping included)
+            shape = (size // 4,)
+            reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
+            ensure_groups(plan_groups(reduce))
+            x = torch.ones(shape, dtype=torch.float32, device=dev)
+            execute_plan(reduce, x)
+            # a large message's time is mostly its transfer, steadier than a wait
+            n = repeat if size <= 1 << 20 else max(3, repeat // 3)
+            took = statistics.fmean(rounds(reduce, x) for _ in range(n))
+            times.append(max(took - compute, 0.0) / syncs)
+    floor = 1e-6  # a collective costs something however lucky the samples
+    points = list(zip(sizes, (max(t, floor) for t in monotone(times))))
     # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
     (s0, t0), (s1, t1) = points[0], points[-1]
     k = 2 * (g - 1) / g
@@ -238,7 +270,7 @@ def measure_comm(profile_dir: Path | str, *,
     # the figures (for a reader) and the measured points, which the model interpolates:
     # mid-sized messages cost more per byte than a line through the ends says
     figures = {"lat": lat, "bw": bw, "group": g, "points": [list(x) for x in points],
-               "method": METHOD}
+               "compute_s": compute / syncs, "method": METHOD}
     if dist.get_rank() == 0:
         path = _cache_file(Path(profile_dir), device_type(), g)
         path.parent.mkdir(parents=True, exist_ok=True)

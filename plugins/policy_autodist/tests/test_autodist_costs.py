@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from nnscaler_policy_autodist import DEVICE_SPECS, AutoDistError, measure_comm
-from nnscaler_policy_autodist.comm import CommModel, device_spec
+from nnscaler_policy_autodist.comm import METHOD, CommModel, device_spec, monotone
 from nnscaler_policy_autodist.profile import ComputeProfiler, analytic_time
 from torch import nn
 
@@ -22,6 +24,9 @@ def _measure(rank, world, profile_dir):
 def test_measured_comm_is_cached_and_used(tmp_path):
     figures = run_distributed(_measure, 2, str(tmp_path))
     assert figures[0]["bw"] > 0 and figures[0]["lat"] > 0
+    assert figures[0]["method"] == METHOD
+    times = [t for _, t in figures[0]["points"]]
+    assert all(t > 0 for t in times) and times == sorted(times)  # larger never cheaper
     spec = device_spec("cpu", tmp_path)
     assert spec.intra_bw == pytest.approx(figures[0]["bw"])
     assert measure_comm(tmp_path) is None  # no process group here
@@ -69,6 +74,21 @@ def test_profiling_and_comm_are_measured_on_every_rank(tmp_path, monkeypatch):
     assert (prof / "comm-cpu-g2.json").is_file()  # measured without being asked
     table = next(prof.glob("compute-*.json")).read_text()
     assert table.count("|") >= 2 * len(ranks)  # every measurement reached rank 0's cache
+
+
+@given(st.lists(st.floats(0, 1e3, allow_nan=False), max_size=12))
+def test_monotone_is_the_nearest_non_decreasing_sequence(values):
+    out = monotone(values)
+    assert len(out) == len(values)
+    assert all(a <= b * (1 + 1e-12) + 1e-12 for a, b in zip(out, out[1:]))
+    assert sum(out) == pytest.approx(sum(values))  # pooling keeps the mean of each run
+    if values == sorted(values):
+        assert out == pytest.approx(values)
+
+
+def test_monotone_pools_a_noisy_point_with_its_neighbours():
+    # a slow 64 KiB sample does not lift every larger size to its value
+    assert monotone([1.0, 4.0, 2.0, 5.0]) == [1.0, 3.0, 3.0, 5.0]
 
 
 def test_comm_figures_are_kept_per_group_size(tmp_path):
