@@ -11,9 +11,10 @@ op's rules), part ``p`` on device ``p``. For an option the model knows, per devi
   weight's layout: its need with value parts folded into replicas; a later reader of a
   tied weight pays the move from there, as an edge), and the move of a graph output to
   replicated;
-- gradient synchronisation: a weight held replicated by an op that is split computes a
-  partial gradient on each device, summed over the ``k`` devices; every weight's piece is
-  summed over the data-parallel scale units (``runtime_ngpus / plan_ngpus``);
+- gradient synchronisation: the runtime sums a weight piece's gradient over every rank
+  that holds it, in one all-reduce: its replicas in the unit (a weight held replicated,
+  by a split op or a replicated one) times the data-parallel scale units
+  (``runtime_ngpus / plan_ngpus``);
 - the optimizer's step over the weights it is the first to read (measured for Adam:
   per parameter and per byte; memory bound for a named device);
 - ``mem``: bytes of the weights it is the first to read (parameter, gradient and
@@ -183,10 +184,13 @@ class CostModel:
                     # the optimizer's step over the piece (its shard under ZeRO)
                     compute += self.profiler.optimizer_time(
                         piece / (self.units if self.zero else 1), self.opt_state)
-                    if t is not None and need is not None and need.r > 1:
-                        comm += self.comm.allreduce_time(piece, need.r)  # partial gradients
-                    comm += self.comm.allreduce_time(piece, self.units,
-                                                     cross=self.units * k > self.comm.spec.per_node)
+                    # the runtime sums a piece's gradient over every rank holding it:
+                    # its replicas in the unit (a replicated op's too: its output's
+                    # gradient may arrive in partial sums) in every scale unit, in one
+                    # all-reduce
+                    holders = (1 if need is None else need.r) * self.units
+                    comm += self.comm.allreduce_time(
+                        piece, holders, cross=self.units * k > self.comm.spec.per_node)
                 else:
                     mem += piece
         act = 0.0

@@ -286,3 +286,23 @@ def test_a_named_device_is_not_calibrated(tmp_path, monkeypatch):
     g = _mlp_graph()
     h100 = ComputeProfiler(DEVICE_SPECS["H100"], tmp_path, measure=False)
     assert h100.calibrate(g.nodes(), g.output_tensors()) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("units", [1, 2])
+def test_every_held_replica_pays_the_gradient_sum(tmp_path, units):
+    """The runtime sums a weight piece's gradient over all its holders, a replicated op's
+    included (its output's gradient may come in partial sums): one all-reduce over the
+    replicas in the unit times the scale units."""
+    from nnscaler_policy_autodist.model import CostModel
+
+    graph = _linear_graph(64)
+    op = graph.select(name="linear")[0]
+    comm = CommModel(DEVICE_SPECS["cpu"])
+    profiler = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path, measure=False)
+    model = CostModel(profiler=profiler, comm=comm, units=units, zero=False)
+    problem = model.build([op], 2, set())
+    replicate = next(o for o in problem.options[0] if o.transform is None)
+    weights = 4 * (64 * 64 + 64)  # weight and bias, fp32
+    expected = sum(comm.allreduce_time(4 * n, 2 * units) for n in (64 * 64, 64))
+    assert replicate.comm == pytest.approx(expected)
+    assert replicate.comm > comm.allreduce_time(weights, units)  # not the units' sum alone
