@@ -6,7 +6,10 @@ parts by one transform of its transform space (``op.anno.transform_space(k)`` wi
 op's rules), part ``p`` on device ``p``. For an option the model knows, per device:
 
 - ``time``: the part's forward and backward time (:mod:`.profile`), the forward again
-  when the op is recomputed; plus the moves of what it reads from outside the stage's
+  when the op is recomputed; plus the collectives its parts run among themselves (a
+  split whose rule calls a collective part op, such as a cross-entropy split over its
+  classes: recorded by calling the part op on meta tensors); plus the moves of what it
+  reads from outside the stage's
   activations: forward arguments (held replicated), weights (the first reader fixes a
   weight's layout: its need with value parts folded into replicas; a later reader of a
   tied weight pays the move from there, as an edge), and the move of a graph output to
@@ -158,7 +161,7 @@ class CostModel:
         grads = not op.no_grad and any(g for _, _, g in reads)
         recomputed = op.oid in self.recompute
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
-        comm = 0.0
+        comm = self.part_comm(op, t, k, grads)
         mem = 0.0
         transient = 0.0
         seen: set[FullTensor] = set()
@@ -203,6 +206,21 @@ class CostModel:
                 comm += self.move(full, lay, replicated(full, k), full.requires_grad)
         return Option(transform=t, reads=reads, writes=writes, compute=compute, comm=comm,
                       mem=mem + act, act=act, transient=transient)
+
+    def part_comm(self, op: Op, t: Transform | None, k: int, grads: bool) -> float:
+        """Seconds of the collectives the parts of ``op`` run among themselves under
+        ``t`` (a rule whose ``part_op`` is collective, e.g. a cross-entropy split over
+        its classes), forward and, where gradients flow, backward: each ``all_reduce``
+        as one over the ``k`` parts, each ``all_gather`` as the all-reduce that moves as
+        many bytes (and its backward, a reduce-scatter, the same)."""
+        if t is None or t.part_op is None or k <= 1:
+            return 0.0
+        total = 0.0
+        for call in self.profiler.collectives(op, t, k):
+            nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
+            once = self.comm.allreduce_time(nbytes, k, bucketed=False)
+            total += once * (2 if grads and call.backward else 1)
+        return total
 
     def _gpu(self) -> bool:
         return self.comm.spec.name != "cpu"

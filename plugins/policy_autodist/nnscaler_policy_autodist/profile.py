@@ -34,11 +34,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.anno import Split, Transform
+from nnscaler.anno.partgroup import PartGroup, check_reduce_op
 from nnscaler.ir import Op, SubTensor, TensorKind, tensors_in
 from nnscaler.policies.costs import op_work, part_piece
 from nnscaler_policy_autodist.comm import DeviceSpec
 
-__all__ = ["ComputeProfiler", "ProfileJob", "TensorSpec", "analytic_time", "device_key",
+__all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec", "analytic_time", "device_key",
            "measure_adam", "run_job"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
@@ -263,6 +264,50 @@ class ComputeProfiler:
             self._store(key, job, op, parts, got)
         return len(jobs)
 
+    def collectives(self, op: Op, t: Transform, num: int) -> tuple[PartCall, ...]:
+        """The collectives one part of ``op`` split by ``t`` runs when ``t``'s parts talk
+        to each other (its rule's ``part_op`` is collective): the part op is called once
+        on meta tensors of the part's shapes with a :class:`RecordingGroup`, which notes
+        every ``all_reduce`` and ``all_gather``. Empty for other splits."""
+        memo = ("collectives", id(op), t, num)
+        if memo in self._memo:
+            return self._memo[memo]  # type: ignore[return-value]
+        calls: tuple[PartCall, ...] = ()
+        if t.part_op is not None and op.opdef is not None:
+            from nnscaler.plugins import get_plugin_manager
+
+            part = get_plugin_manager().ops.get(t.part_op)
+            if part.collective:
+                calls = self._record(op, t, num, part)
+        self._memo[memo] = calls  # type: ignore[assignment]
+        return calls
+
+    def _record(self, op: Op, t: Transform, num: int, part: Any) -> tuple[PartCall, ...]:
+        grads = _grads(op)
+
+        def meta(k: int, x: Any) -> Any:
+            if not isinstance(x, SubTensor):
+                return x
+            piece = part_piece(x, t.inputs[k], num, 0)
+            spec = _spec(piece)
+            made = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+            return made.requires_grad_(grads and spec.dtype.is_floating_point)
+
+        args = [meta(k, x) for k, x in enumerate(op.inputs)]
+        kwargs = dict(op.opdef.part_kwargs(t, op.kwargs, 0))
+        group = RecordingGroup(num)
+        try:
+            with torch.enable_grad() if grads else torch.no_grad():
+                part.call(args, {**kwargs, "group": group})
+        except Exception as e:  # noqa: BLE001 - a part op without meta kernels
+            # its outputs summed once each way: the usual shape of such a part op
+            out = sum(math.prod(y.shape) * y.dtype.itemsize for y in tensors_in(op.outputs))
+            logger.info("autodist: %s via %s does not run on meta tensors (%s); costing its "
+                        "parts' communication as one all-reduce of its output each way",
+                        op.name, t.part_op, e)
+            return (PartCall("all_reduce", out // max(num, 1), grads),)
+        return tuple(group.calls)
+
     # -- internals ---------------------------------------------------------------------
     def _job(self, op: Op, t: Transform | None, num: int
              ) -> tuple[str, ProfileJob, int] | None:
@@ -351,6 +396,40 @@ class ComputeProfiler:
 
         leaves = pytree.tree_map(show, (list(inputs), kwargs))
         return f"{name}|{leaves}|{'nograd' if op.no_grad else 'grad'}"
+
+@attrs.frozen
+class PartCall:
+    """A collective one part of a split runs: ``kind`` (``'all_reduce'`` or
+    ``'all_gather'``), the bytes each part contributes, and whether its gradient is
+    exchanged in backward too."""
+
+    kind: str
+    nbytes: int
+    backward: bool
+
+
+class RecordingGroup(PartGroup):
+    """A :class:`~nnscaler.anno.partgroup.PartGroup` of ``size`` parts that computes
+    nothing across parts but notes each collective a part op calls (on meta tensors)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.index = 0
+        self.calls: list[PartCall] = []
+
+    def _note(self, kind: str, x: torch.Tensor, backward: bool) -> None:
+        self.calls.append(PartCall(kind, x.numel() * x.element_size(),
+                                   backward and x.requires_grad))
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        check_reduce_op(op)
+        self._note("all_reduce", x, op == "sum")
+        return x if op == "sum" else x.detach()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self._note("all_gather", x, True)
+        return x.unsqueeze(0).expand(self.size, *x.shape)
+
 
 @attrs.frozen
 class TensorSpec:

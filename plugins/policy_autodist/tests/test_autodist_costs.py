@@ -306,3 +306,28 @@ def test_every_held_replica_pays_the_gradient_sum(tmp_path, units):
     expected = sum(comm.allreduce_time(4 * n, 2 * units) for n in (64 * 64, 64))
     assert replicate.comm == pytest.approx(expected)
     assert replicate.comm > comm.allreduce_time(weights, units)  # not the units' sum alone
+
+
+def test_a_split_whose_parts_talk_pays_their_collectives(tmp_path):
+    """A cross-entropy split over its classes runs a collective part op: the statistics
+    its parts exchange (an all_gather, and its reduce-scatter in backward) are charged."""
+    from nnscaler_policy_autodist.model import CostModel
+
+    from nnscaler.models import MLP, MLPConfig
+
+    model = MLP(MLPConfig(d_in=16, d_hidden=32, n_classes=8, n_layers=2))
+    batch = {"x": torch.randn(4, 16), "y": torch.randint(8, (4,))}
+    graph = IRGraph.from_graph(trace(model, {"batch": batch}))
+    op = next(o for o in graph.ops if "cross_entropy" in o.name)
+    comm = CommModel(DEVICE_SPECS["cpu"])
+    profiler = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path, measure=False)
+    costs = CostModel(profiler=profiler, comm=comm, units=1, zero=False)
+    talking = [t for t in costs.transforms(op, 2) if t is not None and t.part_op is not None]
+    assert talking, "the cross-entropy has a class-parallel split"
+    calls = profiler.collectives(op, talking[0], 2)
+    assert [c.kind for c in calls] == ["all_gather"] and calls[0].backward
+    expected = 2 * comm.allreduce_time(calls[0].nbytes * 2 / 2, 2, bucketed=False)
+    assert costs.part_comm(op, talking[0], 2, True) == pytest.approx(expected)
+    assert costs.part_comm(op, talking[0], 2, False) == pytest.approx(expected / 2)
+    plain = [t for t in costs.transforms(op, 2) if t is not None and t.part_op is None]
+    assert all(profiler.collectives(op, t, 2) == () for t in plain)
