@@ -10,7 +10,8 @@
 - :class:`OpPlan`: where a policy placed an op instance (device, stage, recompute group);
 - :func:`leaf_values`: the values of a graph's parameters, buffers, constants and inputs;
 - :func:`run_graph`: executes a graph on one device (the reference for tests), with
-  :func:`run_ops`: the ops of a list in order on given values; and
+  :func:`run_ops`: the ops of a list in order on given values (freeing each value after
+  its last reader with :func:`release_schedule`); and
   :func:`verify_graph`: checks that a graph reproduces its module's outputs and gradients.
 """
 
@@ -20,6 +21,7 @@ from nnscaler.ir.interpreter import (
     InterpreterError,
     default_device,
     leaf_values,
+    release_schedule,
     run_graph,
     run_ops,
     verify_graph,
@@ -41,6 +43,7 @@ __all__ = [
     "default_device",
     "dtype_str",
     "leaf_values",
+    "release_schedule",
     "run_graph",
     "run_ops",
     "tensors_in",

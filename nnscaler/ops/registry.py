@@ -71,6 +71,10 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+#: Where :meth:`OpDef.replay` puts an argument.
+_ARG, _KW, _STAR, _STARSTAR = object(), object(), object(), object()
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class OpDef:
     """A registered operator.
@@ -101,6 +105,8 @@ class OpDef:
     collective: bool = False
     registrant: str = ""
     source: str = ""  # where it was registered, for messages
+    #: :meth:`replay`'s routes by argument names (and the signature's parameter names)
+    _routes: dict[Any, Any] = attrs.field(factory=dict, init=False, repr=False)
 
     def rules_for(self, bound: Any) -> tuple[TransformRule, ...]:
         """The custom transform rules for one bound call (``BoundAnno``).
@@ -211,31 +217,60 @@ class OpDef:
             kw = dict(kwargs)
             extra = kw.pop("*args", ())
             return [*inputs, *extra], kw
-        P = inspect.Parameter
-        params = list(self.signature.parameters.values())
-        arguments = {p.name: v for p, v in zip(params, inputs)}
+        names = tuple(kwargs)
+        key = (len(inputs), names, keywords)
+        route = self._routes.get(key)
+        if route is None:  # where each argument goes depends on their names only
+            route = self._routes[key] = self._route(len(inputs), names, keywords)
+        params = self._param_names
+        arguments = dict(zip(params, inputs))
         arguments.update(kwargs)
         args: list[Any] = []
         kw: dict[str, Any] = {}
+        for name, where in route:
+            value = arguments[name]
+            if where is _ARG:
+                args.append(value)
+            elif where is _KW:
+                kw[name] = value
+            elif where is _STAR:
+                args.extend(value)
+            else:
+                kw.update(value)
+        return args, kw
+
+    def _route(self, ninputs: int, names: tuple[str, ...], keywords: frozenset[str]
+               ) -> tuple[tuple[str, object], ...]:
+        """Per present argument, in the signature's order: positional, keyword, ``*args``
+        or ``**kwargs`` (:meth:`replay`'s rule, computed once per argument names)."""
+        P = inspect.Parameter
+        present = set(self._param_names[:ninputs]) | set(names)
+        route: list[tuple[str, object]] = []
         positional = True
-        for p in params:
-            if p.name not in arguments:
+        for p in self.signature.parameters.values():  # type: ignore[union-attr]
+            if p.name not in present:
                 if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD):
                     positional = False
                 continue
-            value = arguments[p.name]
             if p.kind == P.VAR_POSITIONAL:
-                args.extend(value)
+                route.append((p.name, _STAR))
             elif p.kind == P.VAR_KEYWORD:
-                kw.update(value)
+                route.append((p.name, _STARSTAR))
             elif p.kind == P.POSITIONAL_ONLY or (
                 p.kind == P.POSITIONAL_OR_KEYWORD and positional and p.name not in keywords
             ):
-                args.append(value)
+                route.append((p.name, _ARG))
             else:
-                kw[p.name] = value
+                route.append((p.name, _KW))
                 positional = False
-        return args, kw
+        return tuple(route)
+
+    @property
+    def _param_names(self) -> tuple[str, ...]:
+        names = self._routes.get(None)
+        if names is None:
+            names = self._routes[None] = tuple(self.signature.parameters)  # type: ignore[union-attr]
+        return names
 
     def __repr__(self) -> str:
         ann = self.annotation if isinstance(self.annotation, str) else "<fn>"

@@ -69,3 +69,19 @@ def test_verify_graph_notices_a_different_computation(graph):
 
     with pytest.raises(GraphMismatchError, match="output tensor 0 differs: max abs difference"):
         verify_graph(graph, Different(), {"x": torch.randn(2, 4)})
+
+
+def test_run_ops_releases_values_after_their_last_reader(graph):
+    from nnscaler.ir import leaf_values, release_schedule, run_ops
+
+    linear, mul, ones, add = graph.ops
+    env = leaf_values(graph, Small(), {"x": torch.randn(2, 4)})
+    out = graph.output_tensors()[0].full
+    schedule = release_schedule(graph.ops, [out])
+    assert schedule[1] == [linear.outputs[0].full]  # h: last read by the mul
+    run_ops(graph.ops, env, torch.device("cpu"), release=schedule)
+    computed = {op.outputs[0].full for op in graph.ops}
+    assert [f for f in env if f in computed] == [out]  # only what was asked to keep
+    full = leaf_values(graph, Small(), {"x": torch.randn(2, 4)})
+    run_ops(graph.ops, full, torch.device("cpu"))  # without a schedule: everything stays
+    assert computed <= set(full)

@@ -590,7 +590,7 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
     the median of ``repeat`` runs after a warm-up; or why it cannot run."""
     import statistics
 
-    from nnscaler.ir import run_ops
+    from nnscaler.ir import FullTensor, release_schedule, run_ops
     from nnscaler.runtime.device import current_device, device_type
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
@@ -611,6 +611,7 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
     weights = [v for f, v in leaves.items()
                if v.requires_grad and f.kind is not TensorKind.INPUT]
     ends = {x.full if isinstance(x, SubTensor) else x for x in outputs}
+    release = release_schedule(ops, [f for f in ends if isinstance(f, FullTensor)])
 
     def sync() -> None:
         if cuda:
@@ -618,9 +619,11 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
 
     def once() -> float:
         env: dict[Any, Any] = dict(leaves)
+        for v in leaves.values():
+            v.grad = None  # as an optimizer's zero_grad leaves them: fresh each step
         sync()
         t0 = time.perf_counter()
-        run_ops(ops, env, device)
+        run_ops(ops, env, device, release=release)  # intermediates freed as generated code does
         outs = [env[f] for f in ends if isinstance(env.get(f), torch.Tensor)
                 and env[f].requires_grad]
         if outs:
