@@ -551,7 +551,7 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
 
 
 #: How :meth:`ComputeProfiler.calibrate` measures; factors cached another way are not used.
-CALIBRATION_METHOD = 2
+CALIBRATION_METHOD = 3
 
 _HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
 
