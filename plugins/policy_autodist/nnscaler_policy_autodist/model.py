@@ -19,7 +19,10 @@ op's rules), part ``p`` on device ``p``. For an option the model knows, per devi
   by a split op or a replicated one) times the data-parallel scale units
   (``runtime_ngpus / plan_ngpus``);
 - the optimizer's step over the weights it is the first to read (measured for Adam:
-  per parameter and per byte; memory bound for a named device);
+  per parameter and per byte; memory bound for a named device); this step and the
+  gradient sum run once a training step, so an option, whose times are per
+  micro-batch, carries ``1 / micro_batches`` of them (a stage's ``micro_batches`` x
+  time is then its step);
 - ``mem``: bytes of the weights it is the first to read (parameter, gradient and
   optimizer state; under ZeRO the state divided over the units, plus the shard the
   optimizer steps and its gradient; the step's temporaries that exist for every weight
@@ -65,8 +68,12 @@ class Option:
     transform: Transform | None
     reads: tuple[tuple[FullTensor, Layout | None, bool], ...]
     writes: tuple[tuple[FullTensor, Layout | None], ...]
-    compute: float  # seconds per device, forward + backward (+ recompute)
-    comm: float  # seconds of moves and gradient sync charged to the op alone
+    #: seconds per device and micro-batch, forward + backward (+ recompute), and the
+    #: optimizer's step over its weights spread over the micro-batches (it runs once)
+    compute: float
+    #: seconds per micro-batch of moves charged to the op alone, and its weights'
+    #: gradient sum spread over the micro-batches
+    comm: float
     mem: float  # bytes per device
     act: float  # of which activations kept for backward, per micro-batch
     transient: float = 0.0  # bytes its optimizer step holds briefly (a stage holds the max)
@@ -122,6 +129,9 @@ class CostModel:
         self.recompute = recompute  # oids of ops whose activations are recomputed
         self.allowed = allowed or {}  # oid -> allowed {(idx, dim) | 'replicate'}
         self.max_degree = max_degree
+        #: the optimizer's step and the gradients' sum run once a step: per micro-batch,
+        #: an option carries 1/micro_batches of them
+        self.micro_batches = max(1, micro_batches)
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 
     # -- options ------------------------------------------------------------------------
@@ -186,14 +196,16 @@ class CostModel:
                     transient = max(transient, self._step_temporaries(piece))
                     # the optimizer's step over the piece (its shard under ZeRO)
                     compute += self.profiler.optimizer_time(
-                        piece / (self.units if self.zero else 1), self.opt_state)
+                        piece / (self.units if self.zero else 1),
+                        self.opt_state) / self.micro_batches
                     # the runtime sums a piece's gradient over every rank holding it:
                     # its replicas in the unit (a replicated op's too: its output's
                     # gradient may arrive in partial sums) in every scale unit, in one
                     # all-reduce
                     holders = (1 if need is None else need.r) * self.units
                     comm += self.comm.allreduce_time(
-                        piece, holders, cross=self.units * k > self.comm.spec.per_node)
+                        piece, holders,
+                        cross=self.units * k > self.comm.spec.per_node) / self.micro_batches
                 else:
                     mem += piece
         act = 0.0

@@ -107,11 +107,11 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
     allowed = load_constraints(cfg.partition_constraints_path, g)
+    nmicros = cfg.pipeline_nmicros or 1
     model = CostModel(profiler=profiler, comm=CommModel(spec), units=units, zero=zero,
                       recompute=recompute, allowed=allowed,
-                      max_degree=cfg.max_partition_degree)
+                      max_degree=cfg.max_partition_degree, micro_batches=nmicros)
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
-    nmicros = cfg.pipeline_nmicros or 1
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
         profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops),
                                                                  count_layers(ops))

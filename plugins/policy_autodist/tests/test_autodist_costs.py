@@ -331,3 +331,22 @@ def test_a_split_whose_parts_talk_pays_their_collectives(tmp_path):
     assert costs.part_comm(op, talking[0], 2, False) == pytest.approx(expected / 2)
     plain = [t for t in costs.transforms(op, 2) if t is not None and t.part_op is None]
     assert all(profiler.collectives(op, t, 2) == () for t in plain)
+
+
+def test_the_optimizer_and_gradient_sum_run_once_a_step(tmp_path):
+    """With micro-batches an op's forward and backward run for each, its weights' step and
+    gradient all-reduce once: an option (per micro-batch) carries 1/m of them."""
+    from nnscaler_policy_autodist.model import CostModel
+
+    op = _linear_graph(64).select(name="linear")[0]
+    comm = CommModel(DEVICE_SPECS["cpu"])
+    profiler = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path, measure=False)
+    one, four = (CostModel(profiler=profiler, comm=comm, units=2, zero=False,
+                           micro_batches=m).build([op], 1, set()).options[0][0]
+                 for m in (1, 4))
+    fw, bw = profiler.time(op, None, 1)
+    step = profiler.optimizer_time(4 * (64 * 64 + 64))
+    sums = sum(comm.allreduce_time(4 * n, 2) for n in (64 * 64, 64))
+    assert one.compute == pytest.approx(fw + bw + step, rel=1e-3)
+    assert four.compute == pytest.approx(fw + bw + step / 4, rel=1e-3)
+    assert one.comm == pytest.approx(sums) and four.comm == pytest.approx(sums / 4)
