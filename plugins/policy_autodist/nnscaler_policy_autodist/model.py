@@ -120,7 +120,7 @@ class CostModel:
     def __init__(self, *, profiler: ComputeProfiler, comm: CommModel, units: int,
                  zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
                  allowed: dict[int, set] | None = None, max_degree: int | None = None,
-                 micro_batches: int = 1) -> None:
+                 micro_batches: int = 1, share: float = 1.0) -> None:
         self.profiler = profiler
         self.comm = comm
         self.units = units
@@ -132,6 +132,8 @@ class CostModel:
         #: the optimizer's step and the gradients' sum run once a step: per micro-batch,
         #: an option carries 1/micro_batches of them
         self.micro_batches = max(1, micro_batches)
+        #: processes per core of the devices planned for (:func:`.profile.core_share`)
+        self.share = share
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 
     # -- options ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve
 
 __all__ = ["PipelinePlan", "count_layers", "inflight", "search_pipeline", "stage_counts",
-           "step_time"]
+           "stages_time", "step_time"]
 
 logger = logging.getLogger("nnscaler.autodist.pipeline")  # under nnscaler's loggers
 
@@ -59,12 +59,24 @@ def inflight(scheduler: str, nstages: int, stage: int, nmicros: int) -> int:
     return max(1, min(nmicros, nstages - stage))
 
 
-def step_time(times: Sequence[float], nmicros: int) -> float:
+def step_time(times: Sequence[float], nmicros: int, computes: Sequence[float] | None = None,
+              share: float = 1.0) -> float:
     """1F1B: the first micro-batch passes every stage, the rest follow at the slowest
-    stage's pace; one stage: ``nmicros`` times its time."""
+    stage's pace; one stage: ``nmicros`` times its time.
+
+    ``share``: processes per core (four one-thread ranks on two cores: 2). Op times are
+    measured with every rank computing, each at ``1 / share`` of a core; a pipeline's
+    ranks wait for each other part of the time and leave their core to the others, so
+    its stages' computation (``computes``, per micro-batch, of ``times``) runs up to
+    ``share`` times faster, bounded by what the cores can do: the step is the larger of
+    the 1F1B latency at that speed and every rank's computation over the cores."""
     if len(times) == 1:
         return nmicros * times[0]
-    return sum(times) + (nmicros - 1) * max(times)
+    latency = sum(times) + (nmicros - 1) * max(times)
+    if share <= 1.0 or computes is None:
+        return latency
+    fast = [t - c * (1.0 - 1.0 / share) for t, c in zip(times, computes, strict=True)]
+    return max(sum(fast) + (nmicros - 1) * max(fast), nmicros * sum(computes) / len(computes))
 
 
 def _shares(problem: StageProblem, sol: Solution) -> tuple[list[float], list[float], list[float]]:
@@ -166,7 +178,12 @@ def _plan_for(ops: Sequence[Op], n: int, s: int, model: CostModel, cfg: AutoDist
     sols = [attrs.evolve(x, time=x.time + extra, comm=x.comm + extra)
             for x, extra in zip(sols, _sends(whole, sol.choice, bounds, model))]
     return (PipelinePlan(tuple(starts), k, nmicros, cfg.pipeline_scheduler,
-                         step_time([x.time for x in sols], nmicros)), problems, sols)
+                         stages_time(sols, nmicros, model.share)), problems, sols)
+
+
+def stages_time(sols: Sequence[Solution], nmicros: int, share: float = 1.0) -> float:
+    """:func:`step_time` of the stages' solutions."""
+    return step_time([x.time for x in sols], nmicros, [x.time - x.comm for x in sols], share)
 
 
 def _sends(problem: StageProblem, choice: Sequence[int], bounds: Sequence[int],

@@ -21,7 +21,7 @@ from nnscaler.graph import IRGraph
 from nnscaler.ir import Op
 from nnscaler_policy_autodist.config import AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
-from nnscaler_policy_autodist.pipeline import PipelinePlan, replay_solutions, step_time
+from nnscaler_policy_autodist.pipeline import PipelinePlan, replay_solutions, stages_time
 from nnscaler_policy_autodist.spmd import Solution
 
 if TYPE_CHECKING:
@@ -128,5 +128,5 @@ def replay(path: Path, graph: IRGraph, ops: Sequence[Op], n: int, model: CostMod
     sols = replay_solutions(problems, choices, pipe)
     import attrs
 
-    pipe = attrs.evolve(pipe, step_time=step_time([x.time for x in sols], nm))
+    pipe = attrs.evolve(pipe, step_time=stages_time(sols, nm, model.share))
     return pipe, problems, sols

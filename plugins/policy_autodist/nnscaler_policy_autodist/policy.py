@@ -36,7 +36,7 @@ from nnscaler_policy_autodist.pipeline import (
     search_pipeline,
     stage_counts,
 )
-from nnscaler_policy_autodist.profile import ComputeProfiler
+from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
 from nnscaler_policy_autodist.spmd import Solution
 
 __all__ = ["AutoDistResult", "autodist", "plan_graph"]
@@ -110,7 +110,8 @@ def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResu
     nmicros = cfg.pipeline_nmicros or 1
     model = CostModel(profiler=profiler, comm=CommModel(spec), units=units, zero=zero,
                       recompute=recompute, allowed=allowed,
-                      max_degree=cfg.max_partition_degree, micro_batches=nmicros)
+                      max_degree=cfg.max_partition_degree, micro_batches=nmicros,
+                      share=core_share() if here else 1.0)
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
         profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops),

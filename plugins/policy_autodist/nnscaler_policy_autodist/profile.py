@@ -39,8 +39,8 @@ from nnscaler.ir import Op, SubTensor, TensorKind, tensors_in
 from nnscaler.policies.costs import op_work, part_piece
 from nnscaler_policy_autodist.comm import DeviceSpec
 
-__all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec", "analytic_time", "device_key",
-           "measure_adam", "run_job"]
+__all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
+           "analytic_time", "core_share", "device_key", "measure_adam", "run_job"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
 
@@ -75,6 +75,16 @@ def _local_processes() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+def core_share() -> float:
+    """Processes (times their threads) per core of this node, at least 1: four one-thread
+    ranks on two cores share each core by two. 1 on CUDA, a device per process."""
+    from nnscaler.runtime.device import device_type
+
+    if device_type() == "cuda":
+        return 1.0
+    return max(1.0, _local_processes() * torch.get_num_threads() / (os.cpu_count() or 1))
 
 
 def _bytes(op: Op) -> int:

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from nnscaler_policy_autodist import (
     AutoDistError,
     ConstraintError,
@@ -223,3 +225,36 @@ def test_plan_for_a_named_device_needs_no_profiling(gpt, tmp_path):
     _, result = plan(gpt, 4, str(tmp_path), device_type="H100", mem_constraint=80)
     assert result.profiled == 0
     assert not list(tmp_path.glob("compute-*.json"))
+
+
+_stage = st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0))  # (compute, communication)
+
+
+@given(st.lists(_stage, min_size=1, max_size=6), st.integers(1, 8), st.floats(1.0, 4.0))
+def test_pipeline_step_on_shared_cores(stages, nmicros, share):
+    """Ranks sharing cores: a pipeline's waits leave cores to the other ranks, so its
+    computation runs faster, never above the 1F1B latency at measured speeds nor below
+    the cores' work; with a core per rank (share 1) or one stage, nothing changes."""
+    from nnscaler_policy_autodist.pipeline import step_time
+
+    computes = [c for c, _ in stages]
+    times = [c + m for c, m in stages]
+    plain = step_time(times, nmicros)
+    shared = step_time(times, nmicros, computes, share)
+    assert step_time(times, nmicros, computes, 1.0) == pytest.approx(plain)
+    assert shared <= plain + 1e-12
+    if len(stages) == 1:
+        assert shared == pytest.approx(nmicros * times[0])
+    else:
+        assert shared >= nmicros * sum(computes) / len(computes) - 1e-12
+        fast = [t - c * (1 - 1 / share) for t, c in zip(times, computes)]
+        assert shared >= sum(fast) + (nmicros - 1) * max(fast) - 1e-12
+
+
+def test_two_balanced_stages_on_half_a_core_each():
+    from nnscaler_policy_autodist.pipeline import step_time
+
+    # 2 stages of 1 s (measured at half a core), 2 micro-batches: 3 s at measured speed;
+    # each rank waits a third of the time, so the cores' work (2 s) bounds the step
+    assert step_time([1.0, 1.0], 2) == pytest.approx(3.0)
+    assert step_time([1.0, 1.0], 2, [1.0, 1.0], 2.0) == pytest.approx(2.0)
