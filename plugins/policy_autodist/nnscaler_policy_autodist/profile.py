@@ -11,7 +11,9 @@ An op too large to run here (more than ``max_bytes`` of tensors, or its paramete
 the meta device only) is never run: its time is measured on a part of a split that
 shrinks it (the first transform whose outputs are split, in ``m`` parts) and multiplied
 by ``m``, its work ratio. A part that cannot run alone (its parts talk to each other)
-costs its share of the whole op; an op whose function fails on made-up values gets the
+costs its share of the whole op, and the collectives its parts run are recorded by
+calling it once on meta tensors (:meth:`ComputeProfiler.collectives`); an op whose
+function fails on made-up values gets the
 analytic estimate of the device's figures (:func:`analytic_time`). For a named device that is not here (``device_type='H100'``),
 every op gets the analytic estimate: its work over the device's throughput, or its bytes
 over its memory bandwidth, whichever is longer.
@@ -406,6 +408,7 @@ class ComputeProfiler:
 
         leaves = pytree.tree_map(show, (list(inputs), kwargs))
         return f"{name}|{leaves}|{'nograd' if op.no_grad else 'grad'}"
+
 
 @attrs.frozen
 class PartCall:
