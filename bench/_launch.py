@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 import traceback
@@ -23,11 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nnscaler.testing import free_port
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, q: mp.Queue,
@@ -53,7 +48,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1,
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each in its process."""
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, q, threads, args))
              for r in range(world)]
     for p in procs:

@@ -57,6 +57,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, outdir: str, ar
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each
+    in a forked process of a gloo group (see the module docstring)."""
     ctx = mp.get_context("fork")
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:

@@ -37,7 +37,6 @@ import inspect
 import math
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler.errors import NNScalerError
 from nnscaler.parallel.config import ComputeConfig
+from nnscaler.testing import free_port
 
 __all__ = ["Difference", "VerifyError", "VerifyReport", "verify"]
 
@@ -344,12 +344,6 @@ def _run_rank(outdir: str, rank: int, args: Mapping[str, Any], end2end: bool,
     return {"vars": recorder.result(), "params": params}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(fn: Callable[[int], Any], rank: int, world: int, port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -373,7 +367,7 @@ def _worker(fn: Callable[[int], Any], rank: int, world: int, port: int, outdir: 
 def _spawn(fn: Callable[[int], Any], world: int, timeout: float) -> list[Any]:
     """``fn(rank)`` on ``world`` forked CPU processes joined by gloo; results by rank."""
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as outdir:
         procs = [ctx.Process(target=_worker, args=(fn, r, world, port, outdir))
                  for r in range(world)]
