@@ -10,6 +10,7 @@ rank raises with that rank's traceback.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -92,13 +93,23 @@ def training_step(model: Any, opt: torch.optim.Optimizer, batch: Any, *,
     return step
 
 
-def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, Any]:
+def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int,
+               seconds: float = 0.0, max_steps: int = 1000) -> dict[str, Any]:
     """Run one step of every mode per iteration (alternating which goes first), behind a
-    barrier; return this rank's timed seconds per mode and each mode's loss at step 0."""
+    barrier; return this rank's timed seconds per mode and each mode's loss at step 0.
+
+    With ``seconds``, the timed iterations are at least ``steps`` and enough to last about
+    ``seconds`` (judged from the slowest rank's warmup, at most ``max_steps``), so that a
+    fast model's median is taken over as many steps as a slow one's time allows; every
+    rank times the same number.
+    """
     modes = list(fns)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     first_loss: dict[str, float] = {}
-    for i in range(warmup + steps):
+    total = warmup + steps
+    i = 0
+    while i < total:
+        t_iter = time.perf_counter()
         for mode in modes if i % 2 == 0 else modes[::-1]:  # no mode always runs first
             dist.barrier()
             t0 = time.perf_counter()
@@ -108,6 +119,12 @@ def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> di
                 first_loss[mode] = float(loss)
             if i >= warmup:
                 times[mode].append(elapsed)
+        i += 1
+        if seconds > 0 and i == max(warmup, 1):
+            per_iter = torch.tensor([time.perf_counter() - t_iter], dtype=torch.float64)
+            dist.all_reduce(per_iter, op=dist.ReduceOp.MAX)
+            want = math.ceil(seconds / max(float(per_iter), 1e-6))
+            total = warmup + min(max(steps, want), max(steps, max_steps))
     return {"times": times, "first_loss": first_loss}
 
 

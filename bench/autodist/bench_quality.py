@@ -1,6 +1,6 @@
 """Plan quality of ``autodist`` on CPU with gloo: its step time against the fastest of
-``dp``, ``data``, ``tp`` and ``hybrid``, measured in the same processes, interleaved, and
-its estimated step time against the measured one.
+``dp``, ``data``, ``tp`` and ``hybrid``, measured in the same run, and its estimated step
+time against the measured one.
 
 Every mode trains the same global batch per step (``--batch`` samples) with Adam through
 ``train_step`` (end2end modules), each scale unit on its share of the batch: ``dp`` has
@@ -8,13 +8,20 @@ Every mode trains the same global batch per step (``--batch`` samples) with Adam
 two micro-batches) one unit of every device (from 4 devices also ``hybrid`` on units of
 half of them). ``autodist`` plans the same global batch for every unit size
 (:func:`autodist_modes`) and the bench keeps the plan whose *estimated* step time is
-lowest (the choice is autodist's, before anything is measured); every plan is timed.
-Autodist measures its own communication figures (on the benchmark's process group) and
-compute profile (``--profile-dir``).
+lowest (the choice is autodist's, before anything is measured). Autodist measures its own
+communication figures (on the benchmark's process group) and compute profile
+(``--profile-dir``).
+
+Timing: every mode runs in processes of its own, in ``--rounds`` launches taken in
+alternating order, each timing at least ``--steps`` steps and about ``--seconds``. A
+launch's figure is the median over its steps of the slowest rank's step; a mode's figure
+is the median over its launches. The median, not the fastest launch: on a shared machine
+the same plan moves by 5-10% from launch to launch, and the fastest of a few launches
+rewards the plans whose time varies most.
 
 Models: an MLP, the project's GPT at 4 and 24 layers, Hugging Face Llama and Mixtral
-(tiny, random weights). Each case reports the median step (slowest rank) of every mode,
-autodist's ratio to the best baseline (goal <= 1.05) and estimate / measured.
+(tiny, random weights). Each case reports every timed mode (its median and the range over
+launches), autodist's ratio to the best baseline (goal <= 1.05) and estimate / measured.
 
 Usage::
 
@@ -110,8 +117,8 @@ def _split(batch: dict[str, torch.Tensor], parts: int, part: int) -> dict[str, t
 
 
 def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
-          profile_dir: str) -> tuple[Any, dict]:
-    """(a step function, what autodist estimated) for one mode."""
+          profile_dir: str, load: bool = True) -> tuple[Any, dict]:
+    """(a step function, or None without ``load``; what autodist estimated) for one mode."""
     from nnscaler_policy_autodist import plan_graph
 
     from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -147,11 +154,13 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
                         pas_config=pas)
     samples = [_split(mine, micro, m) for m in range(micro)]
     pm = parallelize(make_model(kind), {"batch": samples[0]}, policy, cfg, gen_savedir=gen,
-                     instance_name=f"{kind}_{name.replace('@', '-')}")
+                     instance_name=f"{kind}_{name.replace('@', '-')}", load_module=load)
     if rank == 0 and "result" in captured:
         r = captured["result"]
         info = {"estimate_ms": r.pipeline.step_time * 1e3, "stages": r.pipeline.nstages,
                 "k": r.pipeline.k, "search_s": r.search_seconds}
+    if not load:
+        return None, info
     opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
 
     def step() -> torch.Tensor:
@@ -163,7 +172,9 @@ def _mode(name: str, kind: str, world: int, rank: int, batch: dict, gen: str,
 
 
 def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: int,
-         gen: str, profile_dir: str, modes: tuple[str, ...]) -> dict:
+         gen: str, profile_dir: str, modes: tuple[str, ...], seconds: float = 0.0,
+         plan_only: bool = False) -> dict:
+    """In every rank: plan (and, unless ``plan_only``, time) ``modes``."""
     import faulthandler
 
     import torch.distributed as dist
@@ -175,39 +186,59 @@ def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: 
     fns, infos, failed = {}, {}, {}
     for name in modes:
         try:
-            fns[name], infos[name] = _mode(name, kind, world, rank, batch, gen, profile_dir)
+            fns[name], infos[name] = _mode(name, kind, world, rank, batch, gen, profile_dir,
+                                           load=not plan_only)
         except Exception as e:  # noqa: BLE001 - a policy that cannot plan the model
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         dist.barrier()
-    out = time_modes(fns, steps, warmup)
+    out = {"times": {}} if plan_only else time_modes(fns, steps, warmup, seconds)
     out.update(infos=infos, failed=failed)
     return out
 
 
 def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
-             ) -> tuple[dict[str, float], dict[str, dict], dict[str, str]]:
-    """Per mode the median step in seconds (a step is as slow as its slowest rank),
-    autodist's estimates and the modes that failed to plan.
+             ) -> tuple[dict[str, list[float]], dict[str, dict], dict[str, str]]:
+    """Per timed mode its step in seconds in every round (the median over the round's
+    steps of the slowest rank's step), autodist's estimates and the modes that failed.
 
-    With ``--isolate`` every mode runs in processes of its own: modes resident in the
-    same processes slow each other down (the same plan measured 108 ms alone and 138 ms
-    with six other modes interleaved), which a user training one model never sees.
+    autodist's modes are planned first, in one launch without training; unless
+    ``--time-all-autodist``, only the one it estimates fastest is timed. With
+    ``--isolate`` every mode runs in processes of its own, one launch per mode and round,
+    the rounds in alternating order: modes resident in the same processes slow each other
+    down (the same plan measured 108 ms alone and 138 ms with six other modes
+    interleaved), which a user training one model never sees. A mode slower than
+    ``--drop`` times the fastest after the first round is not timed again.
     """
-    med: dict[str, float] = {}
+    planned = [m for m in modes if m.startswith("autodist")]
     infos: dict[str, dict] = {}
     failed: dict[str, str] = {}
-    groups = [(m,) for m in modes] if args.isolate else [modes]
+    if planned:
+        with tempfile.TemporaryDirectory() as gen:
+            res = launch(_run, args.world, kind, args.batch, args.steps, args.warmup, gen,
+                         args.profile_dir, tuple(planned), 0.0, True)
+        infos, failed = res[0]["infos"], res[0]["failed"]
+    ok = [m for m in planned if "estimate_ms" in infos.get(m, {})]
+    timed = [m for m in modes if not m.startswith("autodist")]
+    if args.time_all_autodist:
+        timed += ok
+    elif ok:
+        timed.append(min(ok, key=lambda m: infos[m]["estimate_ms"]))
+    rounds: dict[str, list[float]] = {}
     for rnd in range(args.rounds if args.isolate else 1):
+        if rnd == 1 and rounds:
+            fastest = min(statistics.median(v) for v in rounds.values())
+            timed = [m for m in timed if m in rounds and (m.startswith("autodist") or
+                     statistics.median(rounds[m]) <= args.drop * fastest)]
+        groups = [(m,) for m in timed] if args.isolate else [tuple(timed)]
         for group in groups if rnd % 2 == 0 else groups[::-1]:
             with tempfile.TemporaryDirectory() as gen:
                 results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
-                                 gen, args.profile_dir, group)
+                                 gen, args.profile_dir, group, args.seconds)
             failed.update(results[0]["failed"])
-            infos.update(results[0]["infos"])
-            for m in results[0]["times"]:
-                per_step = [max(r["times"][m][i] for r in results) for i in range(args.steps)]
-                med[m] = min(med.get(m, float("inf")), statistics.median(per_step))
-    return {m: med[m] for m in modes if m in med}, infos, failed
+            for m, t in results[0]["times"].items():
+                per_step = [max(r["times"][m][i] for r in results) for i in range(len(t))]
+                rounds.setdefault(m, []).append(statistics.median(per_step))
+    return {m: rounds[m] for m in modes if m in rounds}, infos, failed
 
 
 def main() -> None:
@@ -217,50 +248,58 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--modes", nargs="+", default=None,
                     help="default: the baselines and autodist's modes for --world")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per launch, at least")
+    ap.add_argument("--seconds", type=float, default=3.0,
+                    help="time about this long per launch (more steps for a fast model)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                     help="run each mode in processes of its own (default), as a user "
                          "trains one model per process; --no-isolate interleaves them")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="with --isolate: runs of every mode, in alternating order")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --isolate: launches of every mode, in alternating order")
+    ap.add_argument("--drop", type=float, default=1.5,
+                    help="after the first round, stop timing a baseline slower than this "
+                         "times the fastest mode")
+    ap.add_argument("--time-all-autodist", action="store_true",
+                    help="time every autodist mode, not only the one it estimates fastest")
     ap.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(),
                                                           "nnscaler-autodist-bench"))
     args = ap.parse_args()
     modes = tuple(args.modes or [*baselines(args.world), *autodist_modes(args.world)])
     rows = []
     how = (f"each mode in its own processes, {args.rounds} round(s) in alternating order, "
-           f"the lowest median kept" if args.isolate else "modes interleaved step by step")
+           f"the median over rounds" if args.isolate else "modes interleaved step by step")
     print(f"CPU, gloo, {args.world} processes of one thread each; global batch {args.batch}; "
-          f"{args.steps} timed steps after {args.warmup} (median of the per-step max over "
-          f"ranks; {how})")
+          f"at least {args.steps} timed steps and about {args.seconds:g} s per launch after "
+          f"{args.warmup} (median of the per-step max over ranks; {how})")
     for kind in args.models:
         try:
-            med, infos, failed = _measure(kind, modes, args)
+            rounds, infos, failed = _measure(kind, modes, args)
         except RuntimeError as e:
             print(f"{kind}: failed: {str(e)[-400:]}")
             rows.append({"model": kind, "error": str(e)[-400:]})
             continue
-        ran = [m for m in med if m.startswith("autodist") and "estimate_ms" in
-               infos.get(m, {})]
-        chosen = min(ran, key=lambda m: infos[m]["estimate_ms"]) if ran else None
+        med = {m: statistics.median(v) for m, v in rounds.items()}
+        planned = [m for m in infos if "estimate_ms" in infos[m]]
+        chosen = min(planned, key=lambda m: infos[m]["estimate_ms"]) if planned else None
         base = {m: med[m] for m in baselines(args.world) if m in med}
         best = min(base, key=base.get) if base else None
         row = {"model": kind, "median_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
-               "failed": failed, "autodist_choice": chosen,
-               "autodist": {m: infos[m] for m in ran}}
-        if chosen and best:
+               "rounds_ms": {m: [round(x * 1e3, 2) for x in v] for m, v in rounds.items()},
+               "failed": failed, "autodist_choice": chosen, "autodist": infos}
+        if chosen in med and best:
             row["ratio_vs_best"] = round(med[chosen] / base[best], 3)
             row["best_baseline"] = best
             row["estimate_over_measured"] = {m: round(infos[m]["estimate_ms"] / 1e3 / med[m], 3)
-                                             for m in ran}
+                                             for m in planned if m in med}
         rows.append(row)
-        shown = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in med.items())
+        shown = ", ".join(f"{m} {v * 1e3:.1f} ({min(rounds[m]) * 1e3:.1f}-"
+                          f"{max(rounds[m]) * 1e3:.1f})" for m, v in med.items())
         print(f"{kind}: {shown} ms; failed: {failed or 'none'}")
-        if chosen and best:
+        if "ratio_vs_best" in row:
             print(f"  autodist chose {chosen} (estimates: "
                   + ", ".join(f"{m} {infos[m]['estimate_ms']:.1f} ms, {infos[m]['stages']}x"
-                              f"{infos[m]['k']}" for m in ran)
+                              f"{infos[m]['k']}" for m in planned)
                   + f"); {med[chosen] * 1e3:.1f} ms vs best baseline {best} "
                   f"{base[best] * 1e3:.1f} ms: ratio {row['ratio_vs_best']} (goal <= {TARGET}); "
                   f"estimate/measured {row['estimate_over_measured']}")
