@@ -17,11 +17,16 @@ alternating order, each timing at least ``--steps`` steps and about ``--seconds`
 launch's figure is the median over its steps of the slowest rank's step; a mode's figure
 is the median over its launches. The median, not the fastest launch: on a shared machine
 the same plan moves by 5-10% from launch to launch, and the fastest of a few launches
-rewards the plans whose time varies most.
+rewards the plans whose time varies most. Then autodist's plan runs interleaved step by
+step, in the same processes, with every baseline within ``--paired-within`` of the
+fastest (``--paired-rounds`` launches): the paired ratio, the median of autodist's step
+over the baseline's step of the same iteration, cancels the launch-to-launch noise (two
+plans that generate the same code measure 0.997-1.001 this way).
 
 Models: an MLP, the project's GPT at 4 and 24 layers, Hugging Face Llama and Mixtral
 (tiny, random weights). Each case reports every timed mode (its median and the range over
-launches), autodist's ratio to the best baseline (goal <= 1.05) and estimate / measured.
+launches), autodist's ratio to the best baseline and its paired ratios (goal <= 1.05) and
+estimate / measured.
 
 Usage::
 
