@@ -128,14 +128,19 @@ def time_modes(fns: dict[str, Callable[[], Any]], steps: int, warmup: int,
     return {"times": times, "first_loss": first_loss}
 
 
+def slowest_steps(results: list[dict[str, Any]], mode: str) -> list[float]:
+    """``mode``'s timed steps from :func:`time_modes` results of every rank, each as slow as
+    its slowest rank (a step ends when every rank's part of it has)."""
+    return [max(step) for step in zip(*(r["times"][mode] for r in results))]
+
+
 def compare_modes(results: list[dict[str, Any]], baseline: str, steps: int,
                   ratio_key: str) -> dict[str, dict[str, float]]:
     """Per mode: the median step (a step is as slow as its slowest rank), the median over
     iterations of this step / the baseline's step of the same iteration (they ran back to
     back, under the same load) as ``ratio_key``, and the ratio of the medians."""
     modes = list(results[0]["times"])
-    per_step = {m: [max(r["times"][m][i] for r in results) for i in range(steps)]
-                for m in modes}
+    per_step = {m: slowest_steps(results, m)[:steps] for m in modes}
     medians = {m: statistics.median(t) for m, t in per_step.items()}
     return {
         m: {"median_ms": round(v * 1e3, 2),

@@ -21,7 +21,8 @@ rewards the plans whose time varies most. Then autodist's plan runs interleaved 
 step, in the same processes, with every baseline within ``--paired-within`` of the
 fastest (``--paired-rounds`` launches): the paired ratio, the median of autodist's step
 over the baseline's step of the same iteration, cancels the launch-to-launch noise (two
-plans that generate the same code measure 0.997-1.001 this way).
+plans that generate the same code measure 0.997-1.001 this way); plans that differ can
+pay unequally for sharing the processes, so both figures are reported.
 
 Models: an MLP, the project's GPT at 4 and 24 layers, Hugging Face Llama and Mixtral
 (tiny, random weights). Each case reports every timed mode (its median and the range over
@@ -48,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from _launch import launch, time_modes  # noqa: E402
+from _launch import launch, slowest_steps, time_modes  # noqa: E402
 from torch import nn  # noqa: E402
 
 
@@ -240,9 +241,8 @@ def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
                 results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
                                  gen, args.profile_dir, group, args.seconds)
             failed.update(results[0]["failed"])
-            for m, t in results[0]["times"].items():
-                per_step = [max(r["times"][m][i] for r in results) for i in range(len(t))]
-                rounds.setdefault(m, []).append(statistics.median(per_step))
+            for m in results[0]["times"]:
+                rounds.setdefault(m, []).append(statistics.median(slowest_steps(results, m)))
     return {m: rounds[m] for m in modes if m in rounds}, infos, failed
 
 
@@ -258,11 +258,9 @@ def _paired(kind: str, chosen: str, rivals: list[str], args: argparse.Namespace
         with tempfile.TemporaryDirectory() as gen:
             results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
                              gen, args.profile_dir, group, args.seconds)
-        steps = len(results[0]["times"][chosen])
-        mine = [max(r["times"][chosen][i] for r in results) for i in range(steps)]
+        mine = slowest_steps(results, chosen)
         for rival in rivals:
-            theirs = [max(r["times"][rival][i] for r in results) for i in range(steps)]
-            ratios[rival] += [a / b for a, b in zip(mine, theirs)]
+            ratios[rival] += [a / b for a, b in zip(mine, slowest_steps(results, rival))]
     return {r: statistics.median(v) for r, v in ratios.items()}
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent / "parallel"))
 sys.path.insert(0, str(HERE.parent / "pipeline"))
 import bench_pp_vs_torch as ppb  # noqa: E402
 import bench_tp_vs_dtensor as tpb  # noqa: E402
-from _launch import compare_modes, launch, time_modes, training_step  # noqa: E402
+from _launch import compare_modes, launch, slowest_steps, time_modes, training_step  # noqa: E402
 from nnscaler_policy_megatron import megatron_compute_config  # noqa: E402
 
 from nnscaler import build_optimizer, parallelize  # noqa: E402
@@ -187,8 +187,7 @@ def main() -> None:
         else:
             steps, warmup = args.steps or 10, args.warmup or 2
             results = launch(_pp_run, world, steps, warmup, args.micro, gen)
-            per_step = {m: [max(r["times"][m][i] for r in results) for i in range(steps)]
-                        for m in ("torch", "megatron")}
+            per_step = {m: slowest_steps(results, m) for m in ("torch", "megatron")}
             ratio = statistics.median(a / b for a, b in zip(per_step["megatron"],
                                                             per_step["torch"]))
             med = {m: statistics.median(v) * 1e3 for m, v in per_step.items()}

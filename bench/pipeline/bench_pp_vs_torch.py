@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_launch.py
-from _launch import launch  # noqa: E402
+from _launch import launch, slowest_steps  # noqa: E402
 from torch import nn
 
 from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -202,8 +202,7 @@ def _analyse(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             fwd[d] += [e.end - e.start for e in record if e.kind == "forward"]
             bwd[d] += [e.end - e.start for e in record if e.kind == "backward"]
     span = statistics.median(spans)
-    step = statistics.median(max(r["times"]["nnscaler"][i] for r in results)
-                             for i in range(steps))
+    step = statistics.median(slowest_steps(results, "nnscaler")[:steps])
     lists = get_schedule("1f1b")(2, NMICROS)
     # the simulator times every stage alike: the mean forward and backward of both ranks
     f_mean = statistics.mean(statistics.median(f) for f in fwd)
@@ -241,8 +240,7 @@ def main() -> None:
     k = split_block(args.micro)
     with tempfile.TemporaryDirectory() as gen_savedir:
         results = launch(_run, 2, args.steps, args.warmup, args.micro, k, gen_savedir)
-    per_step = {m: [max(r["times"][m][i] for r in results) for i in range(args.steps)]
-                for m in ("torch", "nnscaler")}
+    per_step = {m: slowest_steps(results, m) for m in ("torch", "nnscaler")}
     medians = {m: statistics.median(t) for m, t in per_step.items()}
     # the two modes' steps of one iteration ran back to back: their ratio sees the same load
     ratio = statistics.median(n / t for n, t in zip(per_step["nnscaler"], per_step["torch"],
