@@ -2,10 +2,15 @@
 parity tests of nnScaler and of its plugins stand on.
 
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes; each sets up
-``torch.distributed`` (gloo, CPU, a free TCP port on localhost, ``OMP_NUM_THREADS=1``),
-calls ``fn(rank, world_size, *args)`` and sends its return value back. Results come back
-in rank order; an exception in any rank fails the call with that rank's traceback, and a
-rank that dies or outlives ``timeout`` seconds fails it too.
+``torch.distributed`` (gloo, CPU, ``OMP_NUM_THREADS=1``), calls ``fn(rank, world_size,
+*args)`` and sends its return value back. Results come back in rank order; an exception
+in any rank fails the call with that rank's traceback, and a rank that dies or outlives
+``timeout`` seconds fails it too.
+
+The ranks meet through a file store in the call's temporary directory rather than a TCP
+store: c10d names the peer of every TCP store socket by a reverse DNS lookup, which costs
+5 s or more wherever the resolver drops the query. ``MASTER_ADDR`` and ``MASTER_PORT`` (a
+free port on localhost) are still set for code that reads them.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, outdir: str, ar
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.FileStore(os.path.join(outdir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         result = ("error", traceback.format_exc())

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -15,6 +17,18 @@ def _private_op_check_cache(tmp_path_factory):
     of ~/.cache."""
     os.environ.setdefault("NNSCALER_CACHE_DIR", str(tmp_path_factory.mktemp("nnscaler-cache")))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_child_outlives_the_suite():
+    """A child process a failed test left running would hang the interpreter's exit
+    (multiprocessing joins its children then), and CI with it: kill any at the end."""
+    yield
+    for child in multiprocessing.active_children():
+        warnings.warn(f"killing the child process {child.name} (pid {child.pid}) that a "
+                      f"test left running", stacklevel=1)
+        child.kill()
+        child.join(10)
 
 
 @pytest.fixture
