@@ -202,6 +202,20 @@ def _run(rank: int, world: int, kind: str, batch_size: int, steps: int, warmup: 
     return out
 
 
+def _launch_modes(kind: str, modes: tuple[str, ...], args: argparse.Namespace,
+                  plan_only: bool = False) -> list[dict]:
+    """Every rank's :func:`_run` result for ``modes`` in one launch of fresh processes."""
+    with tempfile.TemporaryDirectory() as gen:
+        return launch(_run, args.world, kind, args.batch, args.steps, args.warmup, gen,
+                      args.profile_dir, modes, args.seconds, plan_only)
+
+
+def _autodist_choice(infos: dict[str, dict]) -> str | None:
+    """The autodist mode that planned with the lowest estimated step time."""
+    planned = [m for m in infos if "estimate_ms" in infos[m]]
+    return min(planned, key=lambda m: infos[m]["estimate_ms"]) if planned else None
+
+
 def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
              ) -> tuple[dict[str, list[float]], dict[str, dict], dict[str, str]]:
     """Per timed mode its step in seconds in every round (the median over the round's
@@ -219,16 +233,13 @@ def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
     infos: dict[str, dict] = {}
     failed: dict[str, str] = {}
     if planned:
-        with tempfile.TemporaryDirectory() as gen:
-            res = launch(_run, args.world, kind, args.batch, args.steps, args.warmup, gen,
-                         args.profile_dir, tuple(planned), 0.0, True)
+        res = _launch_modes(kind, tuple(planned), args, plan_only=True)
         infos, failed = res[0]["infos"], res[0]["failed"]
-    ok = [m for m in planned if "estimate_ms" in infos.get(m, {})]
     timed = [m for m in modes if not m.startswith("autodist")]
     if args.time_all_autodist:
-        timed += ok
-    elif ok:
-        timed.append(min(ok, key=lambda m: infos[m]["estimate_ms"]))
+        timed += [m for m in planned if "estimate_ms" in infos.get(m, {})]
+    elif _autodist_choice(infos):
+        timed.append(_autodist_choice(infos))
     rounds: dict[str, list[float]] = {}
     for rnd in range(args.rounds if args.isolate else 1):
         if rnd == 1 and rounds:
@@ -237,9 +248,7 @@ def _measure(kind: str, modes: tuple[str, ...], args: argparse.Namespace
                      statistics.median(rounds[m]) <= args.drop * fastest)]
         groups = [(m,) for m in timed] if args.isolate else [tuple(timed)]
         for group in groups if rnd % 2 == 0 else groups[::-1]:
-            with tempfile.TemporaryDirectory() as gen:
-                results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
-                                 gen, args.profile_dir, group, args.seconds)
+            results = _launch_modes(kind, group, args)
             failed.update(results[0]["failed"])
             for m in results[0]["times"]:
                 rounds.setdefault(m, []).append(statistics.median(slowest_steps(results, m)))
@@ -255,9 +264,7 @@ def _paired(kind: str, chosen: str, rivals: list[str], args: argparse.Namespace
     ratios: dict[str, list[float]] = {r: [] for r in rivals}
     for rnd in range(args.paired_rounds):
         group = (chosen, *rivals) if rnd % 2 == 0 else (*rivals, chosen)
-        with tempfile.TemporaryDirectory() as gen:
-            results = launch(_run, args.world, kind, args.batch, args.steps, args.warmup,
-                             gen, args.profile_dir, group, args.seconds)
+        results = _launch_modes(kind, group, args)
         mine = slowest_steps(results, chosen)
         for rival in rivals:
             ratios[rival] += [a / b for a, b in zip(mine, slowest_steps(results, rival))]
@@ -308,7 +315,7 @@ def main() -> None:
             continue
         med = {m: statistics.median(v) for m, v in rounds.items()}
         planned = [m for m in infos if "estimate_ms" in infos[m]]
-        chosen = min(planned, key=lambda m: infos[m]["estimate_ms"]) if planned else None
+        chosen = _autodist_choice(infos)
         base = {m: med[m] for m in baselines(args.world) if m in med}
         best = min(base, key=base.get) if base else None
         row = {"model": kind, "median_ms": {m: round(v * 1e3, 2) for m, v in med.items()},
