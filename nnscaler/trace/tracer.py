@@ -29,10 +29,11 @@ inputs are tracked by object identity (``id``), each mapped to its current IR te
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -568,7 +569,7 @@ class Tracer:
         )
         token = op_call_interceptor.set(self.on_registered_op)
         try:
-            with _Mode(self):
+            with _Mode(self), library_trace_signal():
                 if self.meta:
                     out = torch.func.functional_call(
                         self.module, state, (), call_args, tie_weights=True, strict=False
@@ -592,6 +593,41 @@ class Tracer:
         self.graph.outputs = self._to_ir(out)
         self.graph.validate()
         return self.graph
+
+
+@contextlib.contextmanager
+def library_trace_signal() -> Iterator[None]:
+    """Tell libraries that a trace is running: ``torch.compiler.is_compiling()`` is true
+    inside (as it is under ``torch.compile`` and ``torch.export``).
+
+    Libraries keep shortcuts that read tensor data out of their traced paths with this
+    check. Hugging Face transformers, for one, skips a padding mask when
+    ``mask.all()`` is true and drops a causal mask it can prove unneeded, unless
+    ``transformers.utils.is_tracing()`` says a graph is being captured; that function asks
+    ``torch.compiler.is_compiling()``. A trace that took such a shortcut would hold the
+    dummy batch's answer for every batch (and :func:`check_data_dependent` refuses it);
+    with the signal on, the library computes the mask with tensor ops, which are right
+    for every batch. Reads that remain are still recorded and refused.
+
+    ``torch.export`` sets the same flag (``torch.compiler._is_compiling_flag``); torch
+    versions without it get ``is_compiling`` itself replaced for the duration. The
+    previous state is put back on exit, exceptions included.
+    """
+    compiler = torch.compiler
+    if hasattr(compiler, "_is_compiling_flag"):
+        old = compiler._is_compiling_flag
+        compiler._is_compiling_flag = True
+        try:
+            yield
+        finally:
+            compiler._is_compiling_flag = old
+        return
+    original = compiler.is_compiling  # pragma: no cover - torch without the flag
+    compiler.is_compiling = lambda: True  # pragma: no cover
+    try:  # pragma: no cover
+        yield
+    finally:  # pragma: no cover
+        compiler.is_compiling = original
 
 
 class _SavedState:
