@@ -161,6 +161,33 @@ def _spell(fn: Any, name: str) -> tuple[str, str] | None:
     return None
 
 
+def _dispatcher_op(fn: Any) -> tuple[str, tuple[str, ...]] | None:
+    """``torch.ops.<namespace>.<name>[.<overload>]`` for an operator of torch's
+    dispatcher (``torch.ops.aten.add.Tensor``, or a library's ``torch.library.custom_op``
+    such as ``torch.ops.transformers.grouped_mm_fallback``), with the modules to import:
+    ``torch``, and the module whose ``custom_op`` defines it, so that a fresh process has
+    the op registered before the generated code calls it. None for anything else."""
+    import torch
+
+    packet = fn._overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return None
+    namespace, _, op_name = packet._qualified_op_name.partition("::")
+    expr = f"torch.ops.{namespace}.{op_name}"
+    if packet is not fn:
+        expr += f".{fn._overloadname}"
+    imports = ["torch"]
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - a torch without torch.library.custom_op
+        OPDEFS = {}
+    definition = OPDEFS.get(packet._qualified_op_name)
+    module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+    if module and module != "__main__":
+        imports.append(module)
+    return expr, tuple(imports)
+
+
 def _reaches(obj: Any, fn: Any) -> bool:
     """``obj`` is ``fn``, or the function ``@register_op`` put in ``fn``'s place (the
     decorator form): calling it outside a trace calls ``fn``."""
@@ -336,6 +363,10 @@ def call_source(op: Op, inputs: Sequence[Any], kwargs: dict[str, Any], *,
                 method = _method(attr, list(args), kw, where)
                 if method is not None:
                     return method
+    dispatcher_op = _dispatcher_op(fn)
+    if dispatcher_op is not None:
+        expr, imports = dispatcher_op
+        return CallSource(f"{expr}({_args_source(args, kw, where)})", imports=imports)
     spelled = _spell(fn, name)
     if spelled is None:
         raise CodegenError(

@@ -13,7 +13,9 @@ so a ``graph.pkl`` someone else could write would be a way to run code under
   and ``nnscaler.layout``, enums, plain value types (``slice``, ``set``, ...),
   ``torch.Size``, ``torch.device``, the pytree specs, container types registered with
   ``torch.utils._pytree`` (e.g. Hugging Face ``ModelOutput`` classes) and named tuples of
-  modules already imported, plus two resolvers of this module: a registered op by name,
+  modules already imported, plus three resolvers of this module: a registered op by name,
+  an operator of torch's dispatcher by its qualified name (``torch.ops.aten.add.Tensor``,
+  or a library's ``torch.library.custom_op``, found only if the process registered it),
   and a tensor read back with ``torch.load(weights_only=True)``;
 - ``getattr(cls, name)`` of an allowed class, when the result is a method (``Tensor.add``).
 
@@ -53,6 +55,25 @@ def _opdef_by_name(name: str) -> Any:
     return get_plugin_manager().ops.get(name)
 
 
+def _dispatcher_op(qualified_name: str, overload: str | None) -> Any:
+    """``torch.ops.<namespace>.<name>[.<overload>]``, looked up (never imported) by its
+    qualified name ``namespace::name``: an op a library defines must be registered in
+    this process already (its module imported), else :class:`UnsafeGraphFileError`."""
+    namespace, sep, name = qualified_name.partition("::")
+    if not sep or not namespace.isidentifier() or not name.isidentifier() or (
+            overload is not None and not overload.isidentifier()):
+        raise UnsafeGraphFileError(f"{qualified_name!r} is not a torch operator's name")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return packet if overload is None else getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise UnsafeGraphFileError(
+            f"the graph calls the operator torch.ops.{namespace}.{name}, which this process "
+            f"has not registered: import the module that defines it (the model's library) "
+            f"before loading, or regenerate with reuse='override'"
+        ) from None
+
+
 def _tensor_from_bytes(data: bytes) -> torch.Tensor:
     """A tensor written by :func:`torch.save`, read with ``weights_only=True``."""
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -67,6 +88,11 @@ class _GraphPickler(pickle.Pickler):
 
         if isinstance(obj, OpDef):
             return (_opdef_by_name, (obj.name,))
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return (_dispatcher_op, (obj._qualified_op_name, None))
+        if isinstance(obj, torch._ops.OpOverload):
+            return (_dispatcher_op, (obj._overloadpacket._qualified_op_name,
+                                     obj._overloadname))
         if isinstance(obj, torch.Tensor):
             buf = io.BytesIO()
             torch.save(obj.detach(), buf)
@@ -92,7 +118,7 @@ _INERT_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodD
                     types.WrapperDescriptorType, types.ClassMethodDescriptorType,
                     types.MethodWrapperType)
 _CONSTANT_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-_RESOLVERS = (_opdef_by_name, _tensor_from_bytes)
+_RESOLVERS = (_opdef_by_name, _dispatcher_op, _tensor_from_bytes)
 
 
 def _is_library(module: str) -> bool:
