@@ -82,7 +82,7 @@ def run_case(rank: int, name: str, attn: str, policy: str, gen_savedir: str,
     for s, step in enumerate(steps):
         got = [float(x) for x in pm.train_step(step[unit])]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses[s][unit]),
-                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"step {s} losses: {m}")
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, s=s: f"step {s} losses: {m}")
         opt.step()
     return check_pieces(pm, ref_state, rtol=1e-5, atol=1e-6)
 
