@@ -1,0 +1,517 @@
+"""Full tensors read piece by piece from where they are stored, and written into the
+pieces a parallel module holds, without ever putting the whole model in one process.
+
+A *source* names full tensors (``prefix + original name``, as a merged state dict would)
+and reads any box (``[start, stop]`` per dim) of one of them:
+
+- :class:`HubSource`: a Hub-format safetensors folder (:mod:`.safetensors_io`);
+- :class:`RankFilesSource`: the per-rank (or deduped) state-dict files of a parallel module
+  saved under some plan, memory-mapped; a box is put together from the pieces the files'
+  metadata say cover it (replicas taken once, value parts summed);
+- :class:`ModuleSource`: a live parallel module on every rank (collective): rank 0
+  receives the pieces other ranks hold, one tensor at a time.
+
+:func:`load_into` fills a module (a ParallelModule, or a model holding some) from a
+source: every rank checks every name and shape first, the ranks agree, then each rank
+reads only the boxes of its own pieces, one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.checkpoint.optimizer import parallel_modules
+from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
+from nnscaler.errors import CheckpointError
+from nnscaler.runtime.state import (
+    EXTRA_KEY,
+    check_format,
+    in_state_dict,
+    is_extra_state,
+    numel,
+    parse_dtype,
+    plan_manifest,
+    refresh_zero_shards,
+    set_unheld_values,
+    sub_shape,
+    unheld_names,
+)
+
+__all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
+
+Box = tuple[tuple[int, int], ...]
+
+
+def _world() -> tuple[bool, int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank(), dist.get_world_size()
+    return False, 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    distributed, _, world = _world()
+    if not distributed:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank when any rank failed (none waits forever)."""
+    messages = _gather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+
+
+def _full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(s)) for s in shape)
+
+
+def _as_box(index: Sequence[Sequence[int]]) -> Box:
+    return tuple((int(a), int(b)) for a, b in index)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) and out else out
+
+
+def _rel(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+# -- sources -------------------------------------------------------------------------------
+class HubSource:
+    """The tensors of a Hub-format folder, by their names in the folder."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.folder = HubFolder(path)
+
+    def names(self) -> list[str]:
+        return list(self.folder.specs)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
+        s = self.folder.specs[name]
+        return s.shape, s.dtype, str(s.path)
+
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        return read_box(self.folder.specs[name], index)
+
+
+class _Entry:
+    """One full tensor of a parallel-module checkpoint: its names, shape, dtype and the
+    distinct pieces that hold it, ``(box, (part, nparts)) -> (holder, key)``."""
+
+    def __init__(self, names: Sequence[str], shape: Sequence[int], dtype: torch.dtype) -> None:
+        self.names = list(names)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.pieces: dict[tuple[Box, tuple[int, int]], tuple[int, str]] = {}
+
+    def add(self, index: Sequence[Sequence[int]], value: Sequence[int], holder: int,
+            key: str) -> None:
+        self.pieces.setdefault((_as_box(index), (int(value[0]), int(value[1]))), (holder, key))
+
+    def covered(self, box: Box) -> int:
+        """How many elements of ``box`` complete pieces cover (every value part there)."""
+        parts: dict[Box, set[tuple[int, int]]] = {}
+        for index, value in self.pieces:
+            parts.setdefault(index, set()).add(value)
+        total = 0
+        for index, values in parts.items():
+            counts = {n for _, n in values}
+            inter = _intersect(index, box)
+            if inter is not None and len(counts) == 1 and {p for p, _ in values} == set(
+                    range(next(iter(counts)))):
+                total += numel(sub_shape(inter))
+        return total
+
+    def assemble(self, box: Box, fetch: Callable[[int, str], torch.Tensor | None],
+                 where: str) -> torch.Tensor:
+        if self.covered(box) != numel(sub_shape(box)):
+            raise CheckpointError(
+                f"{where}: the files given hold {self.covered(box)} of the "
+                f"{numel(sub_shape(box))} elements of {self.names[0]}{list(box)} (shape "
+                f"{self.shape}); pass the file of every rank of the saved plan"
+            )
+        out = torch.zeros(sub_shape(box), dtype=self.dtype)
+        for (index, value), (holder, key) in self.pieces.items():
+            inter = _intersect(index, box)
+            if inter is None:
+                continue
+            piece = fetch(holder, key)
+            if piece is None:
+                continue
+            part = piece[_rel(inter, index)].to("cpu")
+            if value[1] == 1:
+                out[_rel(inter, box)] = part
+            else:
+                out[_rel(inter, box)] += part
+        return out
+
+
+class _Catalog:
+    """Full tensors described by ParallelModule state dicts' metadata (and plain entries)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self.alias: dict[str, str] = {}
+        self.order: list[str] = []
+
+    def entry(self, names: Sequence[str], shape: Sequence[int], dtype: torch.dtype) -> _Entry:
+        first = self.alias.get(names[0])
+        if first is None:
+            first = names[0]
+            self.entries[first] = _Entry(names, shape, dtype)
+            self.order.append(first)
+            for n in names:
+                self.alias[n] = first
+        return self.entries[first]
+
+    def add_state_dict(self, holder: int, sd: Mapping[str, Any], where: str) -> None:
+        prefixes = [k[: -len(EXTRA_KEY)] for k, v in sd.items()
+                    if k.endswith(EXTRA_KEY) and is_extra_state(v)]
+        prefixes = [p for p in prefixes if p == "" or p.endswith(".")]
+        for prefix in prefixes:
+            extra = sd[prefix + EXTRA_KEY]
+            check_format(extra, where)
+            for e in extra.get("manifest") or ():  # the original module's order
+                if e["kind"] == "parameter" or e["persistent"]:
+                    self.entry([prefix + n for n in e["names"]], e["shape"],
+                               parse_dtype(e["dtype"]))
+            for rec in extra["attrs"]:
+                if not in_state_dict(rec):
+                    continue
+                key = prefix + rec["attr"]
+                if key not in sd:
+                    if extra.get("deduped"):
+                        continue  # another rank's file keeps it
+                    raise CheckpointError(f"{where} lacks {key!r}, which its own metadata "
+                                          f"lists; the file was edited after it was saved")
+                self.entry([prefix + n for n in rec["names"]], rec["shape"],
+                           parse_dtype(rec["dtype"])).add(rec["index"], rec["value"], holder, key)
+            for n, t in (extra.get("unheld") or {}).items():
+                self.entry([prefix + n], t.shape, t.dtype).add(
+                    _full_box(t.shape), (0, 1), holder, f"{prefix}{EXTRA_KEY}/unheld/{n}")
+        for key, t in sd.items():
+            owned = any(key.startswith(p) and "." not in key[len(p):] for p in prefixes)
+            if not owned and isinstance(t, torch.Tensor) and not key.endswith(EXTRA_KEY):
+                self.entry([key], t.shape, t.dtype).add(_full_box(t.shape), (0, 1), holder, key)
+
+    def names(self) -> list[str]:
+        return [n for first in self.order for n in self.entries[first].names]
+
+    def check_complete(self, hint: str) -> None:
+        """Every element of every tensor is held by some piece, else an error naming the
+        first tensor that is not."""
+        for first in self.order:
+            e = self.entries[first]
+            box = _full_box(e.shape)
+            have = e.covered(box)
+            if have != numel(e.shape):
+                raise CheckpointError(
+                    f"the state dicts given hold {have} of the {numel(e.shape)} elements of "
+                    f"{first} (shape {e.shape}); {hint}"
+                )
+
+
+def _lookup(sd: Mapping[str, Any], key: str) -> torch.Tensor:
+    if f"{EXTRA_KEY}/unheld/" in key:
+        head, name = key.split("/unheld/", 1)
+        return sd[head]["unheld"][name]
+    return sd[key]
+
+
+class RankFilesSource:
+    """The per-rank (or deduped) state dicts of a parallel module, saved under any plan:
+    file paths (read memory-mapped, so only the pieces asked for are read) or dicts."""
+
+    def __init__(self, files: Sequence[str | os.PathLike[str] | Mapping[str, Any]]) -> None:
+        if isinstance(files, (str, os.PathLike, Mapping)) or not files:
+            raise CheckpointError(f"pass a list with every rank's state dict (file paths or "
+                                  f"dicts), got {type(files).__name__}")
+        self.where = [f"state dict {i}" if isinstance(f, Mapping) else repr(str(f))
+                      for i, f in enumerate(files)]
+        self.sds = [f if isinstance(f, Mapping) else _load_mmap(Path(f)) for f in files]
+        self.catalog = _Catalog()
+        for i, sd in enumerate(self.sds):
+            self.catalog.add_state_dict(i, sd, self.where[i])
+
+    def names(self) -> list[str]:
+        return self.catalog.names()
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
+        e = self.catalog.entries[self.catalog.alias[name]]
+        files = sorted({self.where[h] for h, _ in e.pieces.values()})
+        return e.shape, e.dtype, ", ".join(files)
+
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        e = self.catalog.entries[self.catalog.alias[name]]
+        box = _full_box(e.shape) if index is None else _as_box(index)
+        return e.assemble(box, lambda h, k: _lookup(self.sds[h], k), "reading the checkpoint")
+
+
+def _load_mmap(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"the checkpoint file {str(path)!r} does not exist; pass the "
+                              f"file of every rank of the saved plan")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+        raise CheckpointError(f"cannot read the checkpoint file {str(path)!r} "
+                              f"({type(e).__name__}: {e}); it is truncated or not a state "
+                              f"dict saved with torch.save") from e
+
+
+class ModuleSource:
+    """A live model holding parallel modules, on every rank (collective): every rank
+    calls :meth:`read` for the same names in the same order; rank 0 gets the full tensor,
+    the other ranks send it the pieces they are the first holder of and get None."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        _, self.rank, _ = _world()
+        self.local = module.state_dict()
+        everyone = _gather({k: _shapes_only(v) for k, v in self.local.items()})
+        self.catalog = _Catalog()
+        for r, view in enumerate(everyone):
+            self.catalog.add_state_dict(r, view, f"rank {r}'s module")
+
+    def names(self) -> list[str]:
+        return self.catalog.names()
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
+        e = self.catalog.entries[self.catalog.alias[name]]
+        return e.shape, e.dtype, "the parallel module"
+
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None
+             ) -> torch.Tensor | None:
+        e = self.catalog.entries[self.catalog.alias[name]]
+        box = _full_box(e.shape) if index is None else _as_box(index)
+        if self.rank != 0:
+            for (piece_box, _), (holder, key) in e.pieces.items():
+                if holder == self.rank and _intersect(piece_box, box) is not None:
+                    _send(_lookup(self.local, key), 0)
+            return None
+        return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export")
+
+    def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
+        if holder == 0:
+            return _lookup(self.local, key)
+        box = next(b for (b, _), (h, k) in e.pieces.items() if (h, k) == (holder, key))
+        return _recv(sub_shape(box), e.dtype, holder)
+
+
+def _shapes_only(value: Any) -> Any:
+    """What the other ranks need to know of a state-dict entry: tensors as meta tensors
+    (shape and dtype), metadata without the values of non-persistent buffers."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta")
+    if is_extra_state(value):
+        out = {k: v for k, v in value.items() if k != "nonpersistent"}
+        if out.get("unheld"):
+            out["unheld"] = {n: t.to("meta") for n, t in out["unheld"].items()}
+        return out
+    return value
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    buf = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_comm_device())
+    if buf.numel():
+        dist.send(buf, dst)
+
+
+def _recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+    nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=_comm_device())
+    if nbytes:
+        dist.recv(buf, src)
+    return buf.cpu().view(dtype).reshape(shape)
+
+
+# -- loading into a module -----------------------------------------------------------------
+Job = Callable[[], None]
+
+
+def _copy_job(target: torch.Tensor, source: Any, name: str, index: Box | None,
+              zero: bool) -> Job:
+    def run() -> None:
+        if zero:  # a value part other than the first: the parts sum to the value
+            target.zero_()
+        else:
+            target.copy_(source.read(name, index))
+    return run
+
+
+def _check_spec(what: str, key: str, name: str, source: Any, shape: Sequence[int],
+                dtype: torch.dtype) -> None:
+    their_shape, their_dtype, where = source.spec(name)
+    if tuple(their_shape) != tuple(shape):
+        raise CheckpointError(
+            f"{what}: {name!r} in {where} has shape {tuple(their_shape)}, but the model's "
+            f"{key!r} has shape {tuple(shape)}; the weights belong to another model "
+            f"configuration (check the config's sizes)"
+        )
+    if their_dtype != dtype and not (their_dtype.is_floating_point and dtype.is_floating_point):
+        raise CheckpointError(
+            f"{what}: {name!r} in {where} is {their_dtype}, but the model's {key!r} is "
+            f"{dtype}; only floating-point tensors are converted on load"
+        )
+
+
+def load_into(module: torch.nn.Module, source: Any, to_source: Callable[[str], str | None],
+              *, what: str, strict: bool = True) -> None:
+    """Fill ``module`` from ``source`` (collective when torch.distributed is initialized).
+
+    ``to_source`` maps a module name (``prefix + original name``) to the source's name
+    (None: not in the source). Every name is checked before any value is read; with
+    ``strict``, a source name that no module name maps to is an error too."""
+    error: BaseException | None = None
+    jobs: list[Job] = []
+    consumed: set[str] = set()
+    try:
+        available = set(source.names())
+        jobs = _plan(module, source, available, to_source, consumed, what)
+    except CheckpointError as e:
+        error = e
+    agree(error, what)
+    error = None
+    try:
+        wanted = _gather(sorted(consumed))
+        if strict:
+            used = set().union(*wanted)
+            extra = [n for n in source.names() if n not in used]
+            if extra:
+                _, _, where = source.spec(extra[0])
+                raise CheckpointError(
+                    f"{what}: {extra[0]!r} in {where} (shape {tuple(source.spec(extra[0])[0])}) "
+                    f"matches no parameter or buffer of the model ({len(extra)} such names); "
+                    f"the weights belong to another model, or pass strict=False to ignore them"
+                )
+    except CheckpointError as e:
+        error = e
+    agree(error, what)
+    with torch.no_grad():
+        for job in jobs:
+            job()
+    for _, pm in parallel_modules(module):
+        refresh_zero_shards(pm)
+
+
+def _plan(module: torch.nn.Module, source: Any, available: set[str],
+          to_source: Callable[[str], str | None], consumed: set[str], what: str) -> list[Job]:
+    pms = parallel_modules(module)
+    jobs: list[Job] = []
+
+    def find(key: str, names: Sequence[str]) -> str:
+        mapped = [to_source(n) for n in names]
+        present = [m for m in mapped if m is not None and m in available]
+        if not present:
+            raise CheckpointError(
+                f"{what}: the model's {key!r} is not in the weights (looked for "
+                f"{[m for m in mapped if m is not None] or 'no name'}); the weights belong to "
+                f"another model, or name the model's prefix (prefix=...)"
+            )
+        consumed.update(present)
+        return present[0]
+
+    for key, value in module.state_dict().items():  # what lies outside the parallel modules
+        if any(key.startswith(p) and "." not in key[len(p):] for p, _ in pms):
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = find(key, [key])
+        _check_spec(what, key, name, source, value.shape, value.dtype)
+        jobs.append(_copy_job(_resolve(module, key), source, name, None, False))
+    for prefix, pm in pms:
+        manifest = plan_manifest(pm)
+        for entry in manifest or ():  # every tensor of the original module, held here or not
+            if entry["kind"] == "parameter" or entry["persistent"]:
+                names = [prefix + n for n in entry["names"]]
+                name = find(names[0], names)
+                _check_spec(what, names[0], name, source, entry["shape"],
+                            parse_dtype(entry["dtype"]))
+        for attr, meta in pm.fullmap.items():
+            if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
+                continue
+            names = [prefix + n for n in meta.names]
+            name = find(names[0], names)
+            _check_spec(what, names[0], name, source, meta.shape, meta.dtype)
+            jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
+                                  meta.value[0] != 0))
+        jobs += _plan_unheld(pm, prefix, manifest, source, find)
+        jobs += _plan_nonpersistent(pm, what)
+    return jobs
+
+
+def _plan_unheld(pm: Any, prefix: str, manifest: Any, source: Any,
+                 find: Callable[[str, Sequence[str]], str]) -> list[Job]:
+    """The tensors no rank holds (the graph never reads them) keep the loaded values, so
+    that a checkpoint or export of the module carries them."""
+    names = unheld_names(manifest)
+    if not names:
+        return []
+    found = {n: find(prefix + n, [prefix + n]) for n in names}
+    return [lambda: set_unheld_values(pm, {n: source.read(s) for n, s in found.items()})]
+
+
+def _plan_nonpersistent(pm: Any, what: str) -> list[Job]:
+    """Non-persistent buffers and captured constants are in no checkpoint: they take the
+    values ``fullmodel.pt`` recorded when the module was traced."""
+    todo = [(a, m) for a, m in pm.fullmap.items()
+            if m.kind == "constant" or (m.kind == "buffer" and not m.persistent)]
+    if not todo:
+        return []
+    path = Path(pm.generated_dir()) / "fullmodel.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - say which file
+        raise CheckpointError(f"{what}: the non-persistent buffers and constants of "
+                              f"{type(pm).__qualname__} come from {str(path)!r}, which cannot "
+                              f"be read ({type(e).__name__}: {e})") from e
+    jobs = []
+    for attr, meta in todo:
+        key = f"__constants__.{meta.orig_name}" if meta.kind == "constant" else meta.orig_name
+        full = state.get(key)
+        if full is None:
+            full = next((state[n] for n in meta.names if n in state), None)
+        if full is None or full.is_meta:
+            raise CheckpointError(
+                f"{what}: the non-persistent buffer {meta.orig_name!r} (shape {meta.shape}) is "
+                f"in no checkpoint, and {str(path)!r} holds no value for it "
+                f"({'meta tensor' if full is not None else 'absent'}): the model was built "
+                f"with its buffers on the meta device. Build it with only its parameters on "
+                f"the meta device (nnscaler.meta_parameters())"
+            )
+        jobs.append(_fill_job(getattr(pm, attr), full, meta))
+    return jobs
+
+
+def _fill_job(target: torch.Tensor, full: torch.Tensor, meta: Any) -> Job:
+    def run() -> None:
+        if meta.value[0] == 0:
+            target.copy_(full[meta.slicers])
+        else:
+            target.zero_()
+    return run
+
+
+def _resolve(module: torch.nn.Module, key: str) -> torch.Tensor:
+    owner, _, leaf = key.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
