@@ -9,7 +9,11 @@ from nnscaler.checkpoint import (
     deduped_state_dict,
     load_deduped_state_dict,
     load_merged_state_dicts,
+    load_pretrained,
+    load_resharded,
     merge_state_dicts,
+    meta_parameters,
+    save_pretrained,
 )
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.errors import (
@@ -99,8 +103,12 @@ __all__ = [
     "hookimpl",
     "load_deduped_state_dict",
     "load_merged_state_dicts",
+    "load_pretrained",
+    "load_resharded",
     "merge_state_dicts",
+    "meta_parameters",
     "parallelize",
     "register_op",
+    "save_pretrained",
     "verify",
 ]

@@ -55,9 +55,13 @@ ALL = [
     "hookimpl",
     "load_deduped_state_dict",
     "load_merged_state_dicts",
+    "load_pretrained",
+    "load_resharded",
     "merge_state_dicts",
+    "meta_parameters",
     "parallelize",
     "register_op",
+    "save_pretrained",
     "verify",
 ]
 

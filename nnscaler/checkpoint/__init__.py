@@ -9,7 +9,11 @@ module's state dict; loaded into a parallel module of the same or any other plan
 - :func:`deduped_state_dict` / :func:`load_deduped_state_dict`: each distinct piece saved
   once across the ranks, and every rank restored from them;
 - :func:`save` / :func:`load`: atomic writes, ``weights_only=True`` reads;
-- :func:`track_optimizer`: optimizer state dicts that say which tensor each entry is.
+- :func:`track_optimizer`: optimizer state dicts that say which tensor each entry is;
+- :func:`load_pretrained` / :func:`save_pretrained`: Hugging Face Hub-format safetensors
+  folders in and out, each rank reading only its slices (``docs/pretrained.md``);
+- :func:`load_resharded`: per-rank files of one plan into another plan, each rank reading
+  only the pieces it needs.
 
 See ``docs/checkpoint.md``.
 """
@@ -21,6 +25,12 @@ from nnscaler.checkpoint.errors import (
     StateDictMismatchError,
 )
 from nnscaler.checkpoint.files import load, save
+from nnscaler.checkpoint.hub import (
+    load_pretrained,
+    load_resharded,
+    meta_parameters,
+    save_pretrained,
+)
 from nnscaler.checkpoint.merge import load_merged_state_dicts, merge_state_dicts
 from nnscaler.checkpoint.optimizer import track_optimizer
 
@@ -32,7 +42,11 @@ __all__ = [
     "load",
     "load_deduped_state_dict",
     "load_merged_state_dicts",
+    "load_pretrained",
+    "load_resharded",
     "merge_state_dicts",
+    "meta_parameters",
     "save",
+    "save_pretrained",
     "track_optimizer",
 ]

@@ -17,6 +17,7 @@ See ``docs/pretrained.md``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from collections import Counter
@@ -175,29 +176,36 @@ def load_resharded(module: torch.nn.Module,
 
 
 # -- exporting --------------------------------------------------------------------------------
-def _hf_names(config: Any) -> list[str] | None:
-    """The state-dict names of the model ``config`` describes (built on the meta device),
-    or None when the config names no architecture transformers has."""
-    archs = getattr(config, "architectures", None) or []
+def _hf_model(config: Any) -> tuple[str, dict[str, tuple[int, ...]]] | None:
+    """The architecture ``config`` describes and its state-dict names and shapes (the
+    model built on the meta device): its ``architectures[0]``, else the causal-LM class of
+    its ``model_type``; None when transformers has neither."""
     try:
         import transformers
     except ImportError:
         return None
+    archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None and not isinstance(config, Mapping):
+        cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is None:
         return None
     with torch.device("meta"):
         model = cls(config)
-    return list(model.state_dict())
+    return cls.__name__, {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _config_bytes(config: Any) -> bytes:
+def _config_bytes(config: Any, arch: str | None) -> bytes:
     if isinstance(config, Mapping):
         return (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()
     to_json = getattr(config, "to_json_string", None)
     if to_json is None:
         raise CheckpointError(f"config must be a transformers PretrainedConfig or a dict, got "
                               f"{type(config).__name__}")
+    if arch is not None and not getattr(config, "architectures", None):
+        config = copy.deepcopy(config)
+        config.architectures = [arch]  # what from_pretrained of an Auto class reads
+        to_json = config.to_json_string
     return to_json().encode()
 
 
@@ -214,9 +222,9 @@ def save_pretrained(source: torch.nn.Module | Sequence[str | os.PathLike[str] | 
     receiving the other ranks' pieces one tensor at a time), or the list of every rank's
     state-dict files (per-rank or deduped; read memory-mapped, in one process). Tied
     tensors are written once, under their first name. ``prefix`` (e.g. ``'model.'``) is
-    stripped from the names; None: with a ``config`` naming its architecture, the prefix
-    that makes the names the architecture's (and every name must then be one of its),
-    else none. Written into a temporary folder and renamed to ``out_dir`` at the end."""
+    stripped from the names; None: with a ``config``, the prefix that makes the names
+    those of the model it describes (its ``architectures[0]``, else the causal-LM class of
+    its ``model_type``; every name and shape must then be that model's), else none. Written into a temporary folder and renamed to ``out_dir`` at the end."""
     is_module = isinstance(source, torch.nn.Module)
     error: BaseException | None = None
     src: Any = None
@@ -226,9 +234,10 @@ def save_pretrained(source: torch.nn.Module | Sequence[str | os.PathLike[str] | 
         src = ModuleSource(source) if is_module else RankFilesSource(source)
         src.catalog.check_complete("pass the file of every rank of the saved plan")
         parse_size(max_shard_size)
-        extra = {} if config is None else {"config.json": _config_bytes(config)}
+        hf = _hf_model(config) if config is not None else None
+        arch, stored = hf if hf is not None else (None, None)
+        extra = {} if config is None else {"config.json": _config_bytes(config, arch)}
         firsts = list(src.catalog.order)
-        stored = _hf_names(config) if config is not None else None
         to_out = name_map(src.names(), stored or [], prefix if stored or prefix else "")
         for first in firsts:
             e = src.catalog.entries[first]
@@ -239,11 +248,11 @@ def save_pretrained(source: torch.nn.Module | Sequence[str | os.PathLike[str] | 
                     f"the exported model (prefix {prefix!r}); pass prefix= the path of the "
                     f"exported model in yours"
                 )
-            if stored is not None and out not in stored:
+            if stored is not None and stored.get(out) != e.shape:
+                theirs = "does not have" if out not in stored else f"has with shape {stored[out]}"
                 raise CheckpointError(
                     f"save_pretrained: the model's {first!r} (shape {e.shape}) becomes "
-                    f"{out!r}, which {getattr(config, 'architectures', ['?'])[0]} does not "
-                    f"have; the config describes another model"
+                    f"{out!r}, which {arch} {theirs}; the config describes another model"
                 )
             specs.append((out, e.shape, e.dtype))
         if stored is not None:
@@ -252,9 +261,9 @@ def save_pretrained(source: torch.nn.Module | Sequence[str | os.PathLike[str] | 
             lacking = [n for n in stored if n not in written]
             if lacking:
                 raise CheckpointError(
-                    f"save_pretrained: {getattr(config, 'architectures', ['?'])[0]} has "
-                    f"{lacking[0]!r}, which the model does not ({len(lacking)} such names); "
-                    f"the config describes another model"
+                    f"save_pretrained: {arch} has {lacking[0]!r} (shape "
+                    f"{stored[lacking[0]]}), which the model does not ({len(lacking)} such "
+                    f"names); the config describes another model"
                 )
     except CheckpointError as e:
         error = e
