@@ -1,0 +1,163 @@
+"""Peak memory of loading Hub-format weights into a parallel plan (docs/pretrained.md).
+
+A Llama of about 1.2 B parameters (the shape of Llama-3.2-1B: hidden 2048, 16 layers,
+vocabulary 128256, tied embedding; float32, about 4.9 GB) gets random weights and is
+saved by transformers' own ``save_pretrained`` into a temporary folder, in a child
+process that exits before the ranks start. Then, for ``tp`` and ``pp`` on 2 CPU
+processes, each rank builds the model with ``nnscaler.meta_parameters()``, parallelizes
+it with ``trace_strategy='meta'`` and calls ``nnscaler.load_pretrained``; its logits on one
+batch must equal the HF model's (rtol 1e-5).
+
+Memory is the kernel's resident-set high-water mark, ``VmHWM`` of ``/proc/self/status``
+(anonymous and file-backed pages together), read at the end of each rank: ``peak`` over
+the whole process (imports, tracing, code generation, loading, the forward), and
+``load peak``, after resetting the mark (``/proc/self/clear_refs``) right before
+``load_pretrained``. Both are printed as bytes and as a ratio of the model's size.
+
+    python bench/hub/bench_load.py               # the 1.2 B model (needs ~12 GB of disk)
+    python bench/hub/bench_load.py --layers 2 --hidden 256 --vocab 1024   # a quick run
+
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def config(args: argparse.Namespace):
+    import transformers
+
+    c = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    c._attn_implementation = "sdpa"
+    return c
+
+
+def batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, 1000, (2, 16), generator=g)}
+
+
+def save_model(args: argparse.Namespace, folder: str) -> None:
+    """In a child process: random weights, saved by transformers, and the reference
+    logits beside them."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config(args))
+    model.save_pretrained(folder, safe_serialization=True)
+    with torch.no_grad():
+        logits = model(**batch()).logits
+    torch.save(logits, os.path.join(folder, "reference_logits.pt"))
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: str,
+             policy: str) -> dict:
+    import transformers
+    from torch import nn
+
+    import nnscaler
+
+    class WithLoss(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, b: dict[str, torch.Tensor]):
+            out = self.model(input_ids=b["input_ids"], labels=b["input_ids"])
+            return out.loss, out.logits
+
+    warnings.simplefilter("ignore")
+    with nnscaler.meta_parameters():
+        model = WithLoss(transformers.LlamaForCausalLM(config(args)))
+    cfg = nnscaler.ComputeConfig(plan_ngpus=2, runtime_ngpus=2, trace_strategy="meta",
+                                 use_end2end=True, pas_config={"pipeline_nmicros": 1},
+                                 inference_only=True)
+    pm = nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
+                              init_module_params=False, instance_name=policy)
+    held = sum(t.numel() * t.element_size() for t in pm.state_dict().values()
+               if isinstance(t, torch.Tensor))
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    nnscaler.load_pretrained(pm, folder)
+    seconds = time.perf_counter() - start
+    load_peak = status("VmHWM")
+    out = pm.infer_step([batch()])[0] if pm.pipeline is not None else pm(batch())
+    ref = torch.load(os.path.join(folder, "reference_logits.pt"))
+    torch.testing.assert_close(out[1], ref, rtol=1e-5, atol=1e-5)
+    return {"held": held, "rss_before_load": before, "load_peak": load_peak,
+            "peak": status("VmHWM"), "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--dir", default=None, help="where the temporary folder goes")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = tempfile.mkdtemp(prefix="bench_hub_", dir=args.dir)
+    try:
+        folder, gen = os.path.join(root, "hub"), os.path.join(root, "gen")
+        with torch.device("meta"):
+            import transformers
+
+            nbytes = sum(p.numel() * 4 for p in
+                         transformers.LlamaForCausalLM(config(args)).parameters())
+        free = shutil.disk_usage(root).free
+        if free < 2.5 * nbytes:
+            print(f"skipped: {free / 1e9:.1f} GB free in {root}, the model needs "
+                  f"{2.5 * nbytes / 1e9:.1f} GB")
+            return
+        start = time.perf_counter()
+        child = mp.get_context("spawn").Process(target=save_model, args=(args, folder))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"saving the model failed (exit code {child.exitcode})")
+        print(f"model: {nbytes / 1e9:.2f} GB float32 ({nbytes // 4 / 1e9:.2f} B parameters), "
+              f"saved by transformers in {time.perf_counter() - start:.0f} s")
+        from nnscaler.testing import run_distributed
+
+        for policy in ("tp", "pp"):
+            results = run_distributed(run_rank, 2, args, folder, gen, policy, timeout=3600)
+            for rank, r in enumerate(results):
+                print(f"{policy} rank {rank}: holds {r['held'] / 1e9:.2f} GB "
+                      f"({r['held'] / nbytes:.2f}x); VmHWM whole process "
+                      f"{r['peak'] / 1e9:.2f} GB ({r['peak'] / nbytes:.2f}x); during "
+                      f"load_pretrained {r['load_peak'] / 1e9:.2f} GB "
+                      f"({r['load_peak'] / nbytes:.2f}x, {r['rss_before_load'] / 1e9:.2f} GB "
+                      f"before it); load {r['seconds']:.1f} s; logits equal the HF model's")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
