@@ -210,7 +210,11 @@ class Trainer:
         self._build_datasets(loaders=True)
         self._make_dummy_input()
         cls = self._parallelize(load_module=True)
-        self.model = cls(init_params=True)
+        self.model = cls(init_params=not self._meta_parameters())
+        if args.model.pretrained is not None:
+            from nnscaler.checkpoint import load_pretrained
+
+            load_pretrained(self.model, args.model.pretrained)
         self._seed()  # ranks leave parallelize with different RNG states; even them out
         self._build_optimizer()
         self._build_loggers()
@@ -333,6 +337,11 @@ class Trainer:
         cls = self._model_class()
 
         def build() -> torch.nn.Module:
+            if self._meta_parameters():
+                from nnscaler.checkpoint import meta_parameters
+
+                with meta_parameters():
+                    return cls(**args.model.args)
             model = cls(**args.model.args)
             if args.tracing_from_weights is not None:
                 from nnscaler.checkpoint import load
@@ -341,6 +350,12 @@ class Trainer:
             return model
 
         return build
+
+    def _meta_parameters(self) -> bool:
+        """Pretrained weights with a meta trace: the model is built without its weights."""
+        args = self.args
+        return (args.model.pretrained is not None
+                and args.compute_config.trace_strategy == "meta")
 
     def _parallelize(self, *, load_module: bool) -> Any:
         from nnscaler.parallel import parallelize

@@ -4,6 +4,7 @@ when they are not."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -136,3 +137,31 @@ def test_lr_scheduler_steps_by_interval(tmp_path):
                               args={"step_size": 1, "gamma": 0.5}, interval="epoch")
     result = run_trainer(trainer_args(tmp_path / "e", max_train_steps=10, lr_scheduler=sched))
     assert result["lr"] == pytest.approx(1e-2 * 0.5)   # one epoch (8 steps) ended
+
+
+@pytest.mark.parametrize("strategy", ["real", "meta"])
+def test_pretrained_folder_is_where_training_starts(tmp_path, strategy):
+    # model.pretrained: load_pretrained after building the module; with a meta trace the
+    # model is built with its parameters on the meta device
+    from nnscaler import ComputeConfig, merge_state_dicts
+    from nnscaler.cli.trainer_args import ModelConfig
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(7)
+    start = MLP().state_dict()
+    (tmp_path / "hub").mkdir()
+    safetensors_torch.save_file(dict(start), tmp_path / "hub" / "model.safetensors",
+                                metadata={"format": "pt"})
+    config = ComputeConfig(plan_ngpus=1, runtime_ngpus=1, use_end2end=True,
+                           trace_strategy=strategy)
+    args = dataclasses.replace(trainer_args(tmp_path, compute_config=config),
+                               model=ModelConfig(type=MLP, pretrained=str(tmp_path / "hub")))
+    trainer = Trainer(train_args=args)
+    trainer.setup()
+    try:
+        got, _ = merge_state_dicts([trainer.model.state_dict()])
+    finally:
+        trainer._finalize()
+    assert_same_weights(got, dict(start))
+    saved = torch.load(next((tmp_path / "gen").rglob("fullmodel.pt")), weights_only=True)
+    assert saved["fc1.weight"].is_meta == (strategy == "meta")  # no weights written
