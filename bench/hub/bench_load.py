@@ -6,7 +6,7 @@ saved by transformers' own ``save_pretrained`` into a temporary folder, in a chi
 process that exits before the ranks start. Then, for ``tp`` and ``pp`` on 2 CPU
 processes, each rank builds the model with ``nnscaler.meta_parameters()``, parallelizes
 it with ``trace_strategy='meta'`` and calls ``nnscaler.load_pretrained``; its logits on one
-batch must equal the HF model's (rtol 1e-5).
+batch must equal the HF model's (rtol 1e-5, atol 1e-5 of the largest logit).
 
 Memory is the kernel's resident-set high-water mark, ``VmHWM`` of ``/proc/self/status``
 (anonymous and file-backed pages together), read at the end of each rank: ``peak`` over
@@ -110,9 +110,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
     load_peak = status("VmHWM")
     out = pm.infer_step([batch()])[0] if pm.pipeline is not None else pm(batch())
     ref = torch.load(os.path.join(folder, "reference_logits.pt"))
-    torch.testing.assert_close(out[1], ref, rtol=1e-5, atol=1e-5)
+    scale = float(ref.abs().max())
+    # rtol 1e-5, and an atol of 1e-5 of the logits' scale for the entries near zero (a
+    # split sum rounds differently from the whole one)
+    torch.testing.assert_close(out[1], ref, rtol=1e-5, atol=1e-5 * scale)
     return {"held": held, "rss_before_load": before, "load_peak": load_peak,
-            "peak": status("VmHWM"), "seconds": seconds}
+            "peak": status("VmHWM"), "seconds": seconds,
+            "max_diff": float((out[1] - ref).abs().max()), "scale": scale}
 
 
 def main() -> None:
@@ -154,7 +158,8 @@ def main() -> None:
                       f"{r['peak'] / 1e9:.2f} GB ({r['peak'] / nbytes:.2f}x); during "
                       f"load_pretrained {r['load_peak'] / 1e9:.2f} GB "
                       f"({r['load_peak'] / nbytes:.2f}x, {r['rss_before_load'] / 1e9:.2f} GB "
-                      f"before it); load {r['seconds']:.1f} s; logits equal the HF model's")
+                      f"before it); load {r['seconds']:.1f} s; logits: max |diff| {r['max_diff']:.1e} "
+                      f"(max |logit| {r['scale']:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

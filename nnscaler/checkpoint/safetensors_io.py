@@ -119,7 +119,7 @@ class SafetensorsFile:
                                f"Copy the file again from its source")
 
     def _parse(self, header: dict[str, Any], start: int, size: int) -> None:
-        spans = []
+        entries = []
         for name, entry in header.items():
             if name == "__metadata__":
                 self.metadata = dict(entry or {})
@@ -134,20 +134,20 @@ class SafetensorsFile:
             if end - begin != expected:
                 raise self._bad(f"tensor {name!r} of shape {shape} ({entry['dtype']}) needs "
                                 f"{expected} bytes, its offsets span {end - begin}")
+            entries.append((begin, end, name, shape, dtype, entry["dtype"]))
+        at = 0
+        for begin, end, name, shape, dtype, code in sorted(entries):  # in the file's order
             if start + end > size:
                 raise CheckpointError(
                     f"{str(self.path)!r} is truncated: tensor {name!r} (shape {shape}, "
-                    f"{entry['dtype']}) ends at byte {start + end}, the file has {size} bytes. "
-                    f"Copy the file again from its source"
+                    f"{code}) ends at byte {start + end}, the file has {size} bytes. Copy the "
+                    f"file again from its source"
                 )
-            spans.append((begin, end))
-            self.specs[name] = TensorSpec(name=name, shape=shape, dtype=dtype, path=self.path,
-                                          offset=start + begin)
-        at = 0
-        for begin, end in sorted(spans):
             if begin != at:
                 raise self._bad(f"its tensors' offsets leave a gap or overlap at byte {at}")
             at = end
+            self.specs[name] = TensorSpec(name=name, shape=shape, dtype=dtype, path=self.path,
+                                          offset=start + begin)
         if start + at != size:
             raise self._bad(f"its header accounts for {start + at} bytes, the file has {size}")
 
