@@ -16,6 +16,7 @@ the whole process (imports, tracing, code generation, loading, the forward), and
 
     python bench/hub/bench_load.py               # the 1.2 B model (needs ~12 GB of disk)
     python bench/hub/bench_load.py --layers 2 --hidden 256 --vocab 1024   # a quick run
+    python bench/hub/bench_load.py --reshard     # also tp on 4 -> files -> pp on 2
 
 Not part of the test suite.
 """
@@ -75,37 +76,49 @@ def status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: str,
-             policy: str) -> dict:
+class WithLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, b: dict[str, torch.Tensor]):
+        out = self.model(input_ids=b["input_ids"], labels=b["input_ids"])
+        return out.loss, out.logits
+
+
+def build(args: argparse.Namespace, gen: str, policy: str, world: int):
+    """The meta-built model, parallelized (no weights anywhere yet)."""
     import transformers
-    from torch import nn
 
     import nnscaler
-
-    class WithLoss(nn.Module):
-        def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, b: dict[str, torch.Tensor]):
-            out = self.model(input_ids=b["input_ids"], labels=b["input_ids"])
-            return out.loss, out.logits
 
     warnings.simplefilter("ignore")
     with nnscaler.meta_parameters():
         model = WithLoss(transformers.LlamaForCausalLM(config(args)))
-    cfg = nnscaler.ComputeConfig(plan_ngpus=2, runtime_ngpus=2, trace_strategy="meta",
+    cfg = nnscaler.ComputeConfig(plan_ngpus=world, runtime_ngpus=world, trace_strategy="meta",
                                  use_end2end=True, pas_config={"pipeline_nmicros": 1},
                                  inference_only=True)
-    pm = nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
-                              init_module_params=False, instance_name=policy)
+    return nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
+                                init_module_params=False, instance_name=f"{policy}{world}")
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: str,
+             policy: str, files: list[str] | None = None) -> dict:
+    """Load into ``policy`` on ``world`` ranks: from the Hub folder, or (``files``) from
+    another plan's per-rank files with load_resharded; measure, check the logits."""
+    import nnscaler
+
+    pm = build(args, gen, policy, world)
     held = sum(t.numel() * t.element_size() for t in pm.state_dict().values()
                if isinstance(t, torch.Tensor))
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     start = time.perf_counter()
-    nnscaler.load_pretrained(pm, folder)
+    if files is None:
+        nnscaler.load_pretrained(pm, folder)
+    else:
+        nnscaler.load_resharded(pm, files)
     seconds = time.perf_counter() - start
     load_peak = status("VmHWM")
     out = pm.infer_step([batch()])[0] if pm.pipeline is not None else pm(batch())
@@ -114,6 +127,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
     # rtol 1e-5, and an atol of 1e-5 of the logits' scale for the entries near zero (a
     # split sum rounds differently from the whole one)
     torch.testing.assert_close(out[1], ref, rtol=1e-5, atol=1e-5 * scale)
+    if args.reshard and policy == "tp" and world == 4:  # the files pp on 2 reshards
+        nnscaler.checkpoint.save(pm.state_dict(), os.path.join(gen, f"tp4_rank{rank}.pt"))
     return {"held": held, "rss_before_load": before, "load_peak": load_peak,
             "peak": status("VmHWM"), "seconds": seconds,
             "max_diff": float((out[1] - ref).abs().max()), "scale": scale}
@@ -125,6 +140,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
+    parser.add_argument("--reshard", action="store_true",
+                        help="also: tp on 4 ranks saves per-rank files, pp on 2 ranks loads "
+                             "them with load_resharded")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     root = tempfile.mkdtemp(prefix="bench_hub_", dir=args.dir)
@@ -150,13 +168,19 @@ def main() -> None:
               f"saved by transformers in {time.perf_counter() - start:.0f} s")
         from nnscaler.testing import run_distributed
 
-        for policy in ("tp", "pp"):
-            results = run_distributed(run_rank, 2, args, folder, gen, policy, timeout=3600)
+        runs = [("tp", 2, None), ("pp", 2, None)]
+        if args.reshard:  # tp on 4 saves its files, pp on 2 reads them without a merge
+            files = [os.path.join(gen, f"tp4_rank{r}.pt") for r in range(4)]
+            runs += [("tp", 4, None), ("pp", 2, files)]
+        for policy, world, files in runs:
+            results = run_distributed(run_rank, world, args, folder, gen, policy, files,
+                                      timeout=3600)
+            what = f"{policy}{world}" + (" load_resharded from tp4's files" if files else "")
             for rank, r in enumerate(results):
-                print(f"{policy} rank {rank}: holds {r['held'] / 1e9:.2f} GB "
+                print(f"{what} rank {rank}: holds {r['held'] / 1e9:.2f} GB "
                       f"({r['held'] / nbytes:.2f}x); VmHWM whole process "
                       f"{r['peak'] / 1e9:.2f} GB ({r['peak'] / nbytes:.2f}x); during "
-                      f"load_pretrained {r['load_peak'] / 1e9:.2f} GB "
+                      f"the load {r['load_peak'] / 1e9:.2f} GB "
                       f"({r['load_peak'] / nbytes:.2f}x, {r['rss_before_load'] / 1e9:.2f} GB "
                       f"before it); load {r['seconds']:.1f} s; logits: max |diff| {r['max_diff']:.1e} "
                       f"(max |logit| {r['scale']:.2f})")

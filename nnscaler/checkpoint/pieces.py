@@ -233,9 +233,16 @@ def _lookup(sd: Mapping[str, Any], key: str) -> torch.Tensor:
     return sd[key]
 
 
+REMAP_BYTES = 256 << 20
+
+
 class RankFilesSource:
     """The per-rank (or deduped) state dicts of a parallel module, saved under any plan:
-    file paths (read memory-mapped, so only the pieces asked for are read) or dicts."""
+    file paths (read memory-mapped, so only the pieces asked for are read) or dicts.
+
+    The pages of a memory map that a read touches count as the process's resident memory
+    until the map goes: a file is mapped afresh after every :data:`REMAP_BYTES` read from
+    it, so reading a whole checkpoint never makes it resident."""
 
     def __init__(self, files: Sequence[str | os.PathLike[str] | Mapping[str, Any]]) -> None:
         if isinstance(files, (str, os.PathLike, Mapping)) or not files:
@@ -243,7 +250,9 @@ class RankFilesSource:
                                   f"dicts), got {type(files).__name__}")
         self.where = [f"state dict {i}" if isinstance(f, Mapping) else repr(str(f))
                       for i, f in enumerate(files)]
+        self.paths = [None if isinstance(f, Mapping) else Path(f) for f in files]
         self.sds = [f if isinstance(f, Mapping) else _load_mmap(Path(f)) for f in files]
+        self.touched = [0] * len(self.sds)
         self.catalog = _Catalog()
         for i, sd in enumerate(self.sds):
             self.catalog.add_state_dict(i, sd, self.where[i])
@@ -259,7 +268,16 @@ class RankFilesSource:
     def read(self, name: str, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         e = self.catalog.entries[self.catalog.alias[name]]
         box = _full_box(e.shape) if index is None else _as_box(index)
-        return e.assemble(box, lambda h, k: _lookup(self.sds[h], k), "reading the checkpoint")
+        return e.assemble(box, self._fetch, "reading the checkpoint")
+
+    def _fetch(self, holder: int, key: str) -> torch.Tensor:
+        path = self.paths[holder]
+        if path is not None and self.touched[holder] > REMAP_BYTES:
+            self.sds[holder] = _load_mmap(path)  # the old map goes with the last reference
+            self.touched[holder] = 0
+        t = _lookup(self.sds[holder], key)
+        self.touched[holder] += t.nbytes
+        return t
 
 
 def _load_mmap(path: Path) -> Mapping[str, Any]:
