@@ -105,8 +105,9 @@ class HubSource:
         s = self.folder.specs[name]
         return s.shape, s.dtype, str(s.path)
 
-    def read(self, name: str, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        return read_box(self.folder.specs[name], index)
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        return read_box(self.folder.specs[name], index, out=out)
 
 
 class _Entry:
@@ -138,14 +139,19 @@ class _Entry:
         return total
 
     def assemble(self, box: Box, fetch: Callable[[int, str], torch.Tensor | None],
-                 where: str) -> torch.Tensor:
+                 where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box, put together in ``out`` (CPU, the box's shape and this dtype) or a new
+        tensor; one piece is fetched at a time."""
         if self.covered(box) != numel(sub_shape(box)):
             raise CheckpointError(
                 f"{where}: the files given hold {self.covered(box)} of the "
                 f"{numel(sub_shape(box))} elements of {self.names[0]}{list(box)} (shape "
                 f"{self.shape}); pass the file of every rank of the saved plan"
             )
-        out = torch.zeros(sub_shape(box), dtype=self.dtype)
+        if out is None:
+            out = torch.zeros(sub_shape(box), dtype=self.dtype)
+        elif any(v[1] > 1 for _, v in self.pieces):
+            out.zero_()  # value parts are summed into it
         for (index, value), (holder, key) in self.pieces.items():
             inter = _intersect(index, box)
             if inter is None:
@@ -153,11 +159,12 @@ class _Entry:
             piece = fetch(holder, key)
             if piece is None:
                 continue
-            part = piece[_rel(inter, index)].to("cpu")
+            part = piece[_rel(inter, index)]
             if value[1] == 1:
                 out[_rel(inter, box)] = part
             else:
-                out[_rel(inter, box)] += part
+                out[_rel(inter, box)] += part.to(out.device)
+            del piece, part  # a memory-mapped piece's pages go with its last reference
         return out
 
 
@@ -241,8 +248,8 @@ class RankFilesSource:
     file paths (read memory-mapped, so only the pieces asked for are read) or dicts.
 
     The pages of a memory map that a read touches count as the process's resident memory
-    until the map goes: a file is mapped afresh after every :data:`REMAP_BYTES` read from
-    it, so reading a whole checkpoint never makes it resident."""
+    until the map goes: the files are mapped afresh once :data:`REMAP_BYTES` were read from
+    them, so reading a whole checkpoint never makes it resident."""
 
     def __init__(self, files: Sequence[str | os.PathLike[str] | Mapping[str, Any]]) -> None:
         if isinstance(files, (str, os.PathLike, Mapping)) or not files:
@@ -265,18 +272,21 @@ class RankFilesSource:
         files = sorted({self.where[h] for h, _ in e.pieces.values()})
         return e.shape, e.dtype, ", ".join(files)
 
-    def read(self, name: str, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         e = self.catalog.entries[self.catalog.alias[name]]
         box = _full_box(e.shape) if index is None else _as_box(index)
-        return e.assemble(box, self._fetch, "reading the checkpoint")
+        return e.assemble(box, self._fetch, "reading the checkpoint", out)
 
     def _fetch(self, holder: int, key: str) -> torch.Tensor:
-        path = self.paths[holder]
-        if path is not None and self.touched[holder] > REMAP_BYTES:
-            self.sds[holder] = _load_mmap(path)  # the old map goes with the last reference
-            self.touched[holder] = 0
+        if sum(self.touched) > REMAP_BYTES:
+            for i, path in enumerate(self.paths):
+                if path is not None and self.touched[i]:
+                    self.sds[i] = _load_mmap(path)  # the old map goes with its last reference
+                    self.touched[i] = 0
         t = _lookup(self.sds[holder], key)
-        self.touched[holder] += t.nbytes
+        if self.paths[holder] is not None:
+            self.touched[holder] += t.nbytes
         return t
 
 
@@ -312,8 +322,8 @@ class ModuleSource:
         e = self.catalog.entries[self.catalog.alias[name]]
         return e.shape, e.dtype, "the parallel module"
 
-    def read(self, name: str, index: Sequence[Sequence[int]] | None = None
-             ) -> torch.Tensor | None:
+    def read(self, name: str, index: Sequence[Sequence[int]] | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
         e = self.catalog.entries[self.catalog.alias[name]]
         box = _full_box(e.shape) if index is None else _as_box(index)
         if self.rank != 0:
@@ -321,7 +331,7 @@ class ModuleSource:
                 if holder == self.rank and _intersect(piece_box, box) is not None:
                     _send(_lookup(self.local, key), 0)
             return None
-        return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export")
+        return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export", out)
 
     def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
         if holder == 0:
@@ -372,8 +382,13 @@ def _copy_job(target: torch.Tensor, source: Any, name: str, index: Box | None,
     def run() -> None:
         if zero:  # a value part other than the first: the parts sum to the value
             target.zero_()
-        else:
-            target.copy_(source.read(name, index))
+            return
+        # straight into the piece when it can take the stored bytes: no second copy
+        direct = (target.device.type == "cpu" and target.is_contiguous()
+                  and target.dtype == source.spec(name)[1])
+        value = source.read(name, index, out=target.data if direct else None)
+        if not direct:
+            target.copy_(value)
     return run
 
 

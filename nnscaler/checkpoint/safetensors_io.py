@@ -152,15 +152,18 @@ class SafetensorsFile:
             raise self._bad(f"its header accounts for {start + at} bytes, the file has {size}")
 
 
-def read_box(spec: TensorSpec, index: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+def read_box(spec: TensorSpec, index: Sequence[Sequence[int]] | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """The slice ``index`` (``[start, stop]`` per dim; None: all) of one stored tensor,
-    read with positioned reads; memory beyond the result is at most one row block."""
+    read with positioned reads into ``out`` (a contiguous CPU tensor of the slice's shape
+    and the stored dtype) or a new tensor; memory beyond it is at most one row block."""
     shape = spec.shape
     box = [(0, s) for s in shape] if index is None else [(int(a), int(b)) for a, b in index]
     if len(box) != len(shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, shape)):
         raise CheckpointError(f"the slice {box} does not fit {spec.name!r} of shape {shape} in "
                               f"{str(spec.path)!r}")
-    out = torch.empty([b - a for a, b in box], dtype=spec.dtype)
+    if out is None:
+        out = torch.empty([b - a for a, b in box], dtype=spec.dtype)
     if out.numel() == 0:
         return out
     fd = os.open(spec.path, os.O_RDONLY)
