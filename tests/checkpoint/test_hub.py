@@ -98,7 +98,8 @@ def hub(tmp_path_factory) -> dict:
         changed = {k: v for k, v in {**weights, **change}.items() if v is not None}
         safetensors_torch.save_file(changed, root / name / "model.safetensors",
                                     metadata={"format": "pt"})
-    return {"root": str(root), "logits": hf_logits(model, make_batch())}
+    return {"root": str(root), "logits": hf_logits(model, make_batch()),
+            "weight_bytes": sum(p.nbytes for p in model.parameters())}
 
 
 # -- loading pretrained weights ------------------------------------------------------------
@@ -111,6 +112,8 @@ def _load_and_refuse(rank, world, root, gen):
         pm = parallel(policy, gen)
         nnscaler.load_pretrained(pm, os.path.join(root, folder))
         out[policy] = logits_of(pm, make_batch())
+        out[f"{policy}_fullmodel_bytes"] = os.path.getsize(
+            os.path.join(pm.generated_dir(), "fullmodel.pt"))
     before = {k: v.clone() for k, v in pm.state_dict().items() if isinstance(v, torch.Tensor)}
     for bad in BAD:
         try:
@@ -129,6 +132,9 @@ def test_load_pretrained_into_tp_and_pp_and_refuse_bad_folders(hub, tmp_path):
         torch.testing.assert_close(r["tp"], hub["logits"], **TOL)
         torch.testing.assert_close(r["pp"], hub["logits"], **TOL)
         assert r["unchanged"]
+        # fullmodel.pt holds shapes and the buffers, no weights
+        assert r["tp_fullmodel_bytes"] < hub["weight_bytes"] / 4
+        assert r["pp_fullmodel_bytes"] < hub["weight_bytes"] / 4
     for r in results:
         # every rank raises, naming the key, the file and the shapes
         message = r["bad_shape"]
