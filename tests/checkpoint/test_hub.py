@@ -42,18 +42,23 @@ class WithLoss(nn.Module):
         self.model = model
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["input_ids"])
         return out.loss, out.logits
 
 
 def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two sequences, the second left-padded by 3 (the mask is traced, not read)."""
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=g)}
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    return {"input_ids": torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=g),
+            "attention_mask": mask}
 
 
 def hf_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=batch["input_ids"]).logits
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
 def parallel(policy: str, gen: str, plan_ngpus: int = 2, use_zero: bool = False) -> nnscaler.ParallelModule:
