@@ -24,6 +24,7 @@ Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -172,10 +173,13 @@ def main() -> None:
         if args.reshard:  # tp on 4 saves its files, pp on 2 reads them without a merge
             files = [os.path.join(gen, f"tp4_rank{r}.pt") for r in range(4)]
             runs += [("tp", 4, None), ("pp", 2, files)]
+        report: dict = {"model_bytes": nbytes, "memory": "VmHWM", "runs": {}}
         for policy, world, files in runs:
             results = run_distributed(run_rank, world, args, folder, gen, policy, files,
                                       timeout=3600)
             what = f"{policy}{world}" + (" load_resharded from tp4's files" if files else "")
+            report["runs"][what] = [{k: r[k] for k in ("held", "load_peak", "peak", "seconds")}
+                                    for r in results]
             for rank, r in enumerate(results):
                 print(f"{what} rank {rank}: holds {r['held'] / 1e9:.2f} GB "
                       f"({r['held'] / nbytes:.2f}x); VmHWM whole process "
@@ -184,6 +188,7 @@ def main() -> None:
                       f"({r['load_peak'] / nbytes:.2f}x, {r['rss_before_load'] / 1e9:.2f} GB "
                       f"before it); load {r['seconds']:.1f} s; logits: max |diff| {r['max_diff']:.1e} "
                       f"(max |logit| {r['scale']:.2f})")
+        print(json.dumps(report))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
