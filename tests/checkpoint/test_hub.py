@@ -212,6 +212,12 @@ def test_train_export_reshard_round_trip(hub, tmp_path):
     assert set(from_files) == set(exported)
     for k, v in exported.items():
         assert torch.equal(from_files[k], v), k
+    # a rank's file left out, or missing: refused, nothing written
+    with pytest.raises(nnscaler.CheckpointError, match=r"hold \d+ of the \d+ elements of"):
+        ck.save_pretrained(files[:1], out / "partial", llama_config())
+    with pytest.raises(nnscaler.CheckpointError, match="nope.pt' does not exist"):
+        ck.save_pretrained([files[0], str(out / "nope.pt")], out / "partial", llama_config())
+    assert not (out / "partial").exists()
     # the tp files into pp and into dp with ZeRO, and ZeRO's module exported again
     resharded = run_distributed(_reshard, 2, str(out), str(gen))
     for r in resharded:
