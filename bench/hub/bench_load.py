@@ -186,7 +186,8 @@ def main() -> None:
                       f"{r['peak'] / 1e9:.2f} GB ({r['peak'] / nbytes:.2f}x); during "
                       f"the load {r['load_peak'] / 1e9:.2f} GB "
                       f"({r['load_peak'] / nbytes:.2f}x, {r['rss_before_load'] / 1e9:.2f} GB "
-                      f"before it); load {r['seconds']:.1f} s; logits: max |diff| {r['max_diff']:.1e} "
+                      f"before it); load {r['seconds']:.1f} s; logits: max |diff| "
+                      f"{r['max_diff']:.1e} "
                       f"(max |logit| {r['scale']:.2f})")
         print(json.dumps(report))
     finally:

@@ -69,34 +69,35 @@ def meta_parameters() -> Iterator[None]:
 # -- names ----------------------------------------------------------------------------------
 def name_map(model_names: Sequence[str], stored_names: Sequence[str],
              prefix: str | None) -> Callable[[str], str | None]:
-    """How a model name becomes a stored one: ``prefix`` (the stored model's path in the
-    model, e.g. ``'model.'``) stripped; None: the prefix to strip, or to add, under which
-    most names match."""
+    """How a model name becomes a stored one.
+
+    ``prefix`` (the stored model's path in the model, e.g. ``'model.'``) is stripped. None:
+    each model name is matched to the stored names that share its longest dotted suffix,
+    and the head replaced (``a.`` -> ``b.``, either empty) is the one most names agree on
+    (ties: the shortest heads)."""
     if prefix is not None:
         if prefix and not prefix.endswith("."):
             prefix += "."
         return lambda n: n[len(prefix):] if n.startswith(prefix) else None
-    stored = set(stored_names)
-    strip: Counter[str] = Counter()
-    add: Counter[str] = Counter()
+    heads: dict[str, list[str]] = {}  # dotted suffix -> the heads stored before it
+    for s in stored_names:
+        parts = s.split(".")
+        for i in range(len(parts)):
+            head = ".".join(parts[:i]) + ("." if i else "")
+            heads.setdefault(".".join(parts[i:]), []).append(head)
+    votes: Counter[tuple[str, str]] = Counter()
     for n in model_names:
         parts = n.split(".")
-        for i in range(len(parts)):
-            if ".".join(parts[i:]) in stored:
-                strip[".".join(parts[:i]) + ("." if i else "")] += 1
-    model = set(model_names)
-    for s in stored:
-        parts = s.split(".")
-        for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in model:
-                add[".".join(parts[:i]) + "."] += 1
-    best_strip = max(strip.items(), key=lambda kv: (kv[1], -len(kv[0])), default=("", 0))
-    best_add = max(add.items(), key=lambda kv: (kv[1], -len(kv[0])), default=("", 0))
-    if best_add[1] > best_strip[1]:
-        head = best_add[0]
-        return lambda n: head + n
-    head = best_strip[0]
-    return lambda n: n[len(head):] if n.startswith(head) else None
+        for i in range(len(parts)):  # the longest suffix first
+            found = heads.get(".".join(parts[i:]))
+            if found:
+                head = ".".join(parts[:i]) + ("." if i else "")
+                votes.update((head, h) for h in set(found))
+                break
+    if not votes:
+        return lambda n: n
+    (cut, add), _ = max(votes.items(), key=lambda kv: (kv[1], -len(kv[0][0]) - len(kv[0][1])))
+    return lambda n: add + n[len(cut):] if n.startswith(cut) else None
 
 
 def _model_names(module: torch.nn.Module) -> list[str]:
@@ -130,7 +131,8 @@ def load_pretrained(module: torch.nn.Module, path: str | os.PathLike[str], *,
     (no rank ever holds more than its pieces and one row block). The module's names are
     the wrapped model's (``model.embed_tokens.weight``), possibly under a prefix
     (``model.`` when the Hugging Face model is ``self.model`` of a wrapper): ``prefix``
-    names it, None finds it. A tied tensor is read under any of its names
+    names it; None finds the head to replace (``model.model.`` -> ``model.``, ``base.`` ->
+    ``model.``) that most names agree on, matching each by its longest dotted suffix. A tied tensor is read under any of its names
     (``lm_head.weight`` is absent when ``tie_word_embeddings``). Non-persistent buffers
     and captured constants take the values ``fullmodel.pt`` recorded at trace time.
 
@@ -224,7 +226,8 @@ def save_pretrained(source: torch.nn.Module | Sequence[str | os.PathLike[str] | 
     tensors are written once, under their first name. ``prefix`` (e.g. ``'model.'``) is
     stripped from the names; None: with a ``config``, the prefix that makes the names
     those of the model it describes (its ``architectures[0]``, else the causal-LM class of
-    its ``model_type``; every name and shape must then be that model's), else none. Written into a temporary folder and renamed to ``out_dir`` at the end."""
+    its ``model_type``; every name and shape must then be that model's), else none.
+    Written into a temporary folder and renamed to ``out_dir`` at the end."""
     is_module = isinstance(source, torch.nn.Module)
     error: BaseException | None = None
     src: Any = None

@@ -107,7 +107,8 @@ class SafetensorsFile:
                                     f"(truncated, or not a safetensors file)")
                 header = json.loads(f.read(n))
         except OSError as e:
-            raise CheckpointError(f"cannot read the safetensors file {str(self.path)!r}: {e}") from e
+            raise CheckpointError(
+                f"cannot read the safetensors file {str(self.path)!r}: {e}") from e
         except (ValueError, UnicodeDecodeError) as e:
             raise self._bad(f"its header is not JSON ({e})") from e
         if not isinstance(header, dict):
@@ -293,7 +294,8 @@ def _header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> byte
     at = 0
     for name, shape, dtype in entries:
         n = math.prod(shape) * _itemsize(dtype)
-        header[name] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
+        header[name] = {"dtype": dtype_code(dtype), "shape": list(shape),
+                        "data_offsets": [at, at + n]}
         at += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

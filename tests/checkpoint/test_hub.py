@@ -61,7 +61,8 @@ def hf_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-def parallel(policy: str, gen: str, plan_ngpus: int = 2, use_zero: bool = False) -> nnscaler.ParallelModule:
+def parallel(policy: str, gen: str, plan_ngpus: int = 2,
+             use_zero: bool = False) -> nnscaler.ParallelModule:
     """The meta-built wrapper, parallelized: no weights anywhere until they are loaded."""
     with nnscaler.meta_parameters():
         model = WithLoss(transformers.LlamaForCausalLM(llama_config()))
@@ -245,3 +246,47 @@ def test_export_of_a_plain_state_dict_strips_the_wrapper(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     torch.testing.assert_close(hf_logits(reloaded, make_batch()),
                                hf_logits(model.model, make_batch()))
+
+
+# -- names: the prefix found either way, or given ------------------------------------------
+class Hidden(nn.Module):
+    """The base model alone: its names lack the folder's ``model.`` (the prefix is added)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.layers_owner = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.layers_owner(input_ids=batch["input_ids"],
+                                 attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+def _one_process(module: nn.Module, gen, name: str) -> nnscaler.ParallelModule:
+    config = nnscaler.ComputeConfig(plan_ngpus=1, runtime_ngpus=1, trace_strategy="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nnscaler.parallelize(module, {"batch": make_batch()}, "dp", config,
+                                    gen_savedir=str(gen), init_module_params=False,
+                                    instance_name=name)
+
+
+def test_names_under_another_prefix_or_a_given_one(hub, tmp_path):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config())  # the folder's weights
+    # the folder says model.layers.0...; this module says layers_owner.layers.0...
+    with nnscaler.meta_parameters():
+        bare = Hidden(transformers.LlamaModel(llama_config()))
+    pm = _one_process(bare, tmp_path, "bare")
+    nnscaler.load_pretrained(pm, os.path.join(hub["root"], "single"))  # layers_owner. -> model.
+    with torch.no_grad():
+        want = reference.model(input_ids=make_batch()["input_ids"],
+                               attention_mask=make_batch()["attention_mask"]).last_hidden_state
+    torch.testing.assert_close(pm(make_batch()), want, **TOL)
+    # the wrapper's prefix given instead of found
+    with nnscaler.meta_parameters():
+        wrapped = WithLoss(transformers.LlamaForCausalLM(llama_config()))
+    pm = _one_process(wrapped, tmp_path, "wrapped")
+    nnscaler.load_pretrained(pm, os.path.join(hub["root"], "single"), prefix="model.")
+    torch.testing.assert_close(pm(make_batch())[1], hub["logits"], **TOL)
+    with pytest.raises(nnscaler.CheckpointError, match="not in the weights"):
+        nnscaler.load_pretrained(pm, os.path.join(hub["root"], "single"), prefix="other.")
