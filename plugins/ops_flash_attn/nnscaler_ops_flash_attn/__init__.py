@@ -33,12 +33,27 @@ flash_attn_qkvpacked_func = make_recording_wrapper(
 flash_attn_kvpacked_func = make_recording_wrapper(
     kernels.flash_attn_kvpacked_func, OP_NAMES["flash_attn_kvpacked_func"]
 )
+flash_attn_segmented_func = make_recording_wrapper(
+    kernels.flash_attn_segmented_func, OP_NAMES["flash_attn_segmented_func"]
+)
+
+# after the wrappers: the Hugging Face attention calls them (transformers is imported only
+# when register_hf_attention() runs)
+from nnscaler_ops_flash_attn.hf import (  # noqa: E402
+    HF_ATTENTION,
+    UnsupportedAttentionError,
+    register_hf_attention,
+)
 
 __all__ = [
+    "HF_ATTENTION",
+    "UnsupportedAttentionError",
     "__version__",
     "flash_attn_available",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_segmented_func",
     "flash_attn_varlen_func",
+    "register_hf_attention",
 ]

@@ -177,6 +177,29 @@ def flash_attn_varlen_func_annotation(
     return _join(inputs, outputs)
 
 
+def flash_attn_segmented_func_annotation(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_ids: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+) -> str:
+    """E.g. ``b s^ (h r^) d^, b s^ h d^, b s^ h d^, b s^ -> b s^ (h r^) d^`` (GQA).
+
+    Sequences never cross rows, so the batch splits with its ``segment_ids``; the heads
+    split as in :func:`flash_attn_func_annotation`, with ``segment_ids`` replicated.
+    """
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap)
+    shapes = checks.check_segmented("flash_attn_segmented_func", q, k, v, segment_ids, options)
+    qh, kh = head_dims(shapes.nheads_q, shapes.nheads_k)
+    return _join([f"b s^ {qh} d^", f"b s^ {kh} d^", f"b s^ {kh} d^", "b s^"], [f"b s^ {qh} d^"])
+
+
 # ---------------------------------------------------------------------------------------
 # Random calls (``input_gen_fn``): small shapes, with heads and batch that can be split
 # ---------------------------------------------------------------------------------------
@@ -275,6 +298,46 @@ def gen_flash_attn_varlen_func(rng: random.Random) -> Call:
     return args, options
 
 
+def _segment_row(rng: random.Random, seqlen: int, window: bool) -> list[int]:
+    """One row of segment ids: left or right padding, or packed sequences (see
+    :mod:`nnscaler_ops_flash_attn.segments` for the rules a row keeps)."""
+    kind = rng.choice(["plain", "left", "right", "packed", "packed_padded", "all_padding"])
+    if kind == "plain":
+        return [rng.randint(1, 3)] * seqlen
+    if kind == "all_padding":
+        return [0] * seqlen
+    pad = rng.randint(1, seqlen - 1) if seqlen > 1 else 0
+    if kind in ("left", "right"):
+        real = [1] * (seqlen - pad)
+        return [0] * pad + real if kind == "left" else real + [0] * pad
+    ids, current = [], 0
+    body = seqlen - (pad if kind == "packed_padded" else 0)
+    while len(ids) < body:
+        current += 1
+        ids += [current] * rng.randint(1, 3)
+    ids = ids[:body]
+    if kind == "packed_padded":
+        ids += [0] * pad
+        if not window and pad and rng.random() < 0.5:  # padding between two sequences
+            ids = ids[:1] + [0] + ids[1:-1]
+    return ids
+
+
+def gen_flash_attn_segmented_func(rng: random.Random) -> Call:
+    """A random padded or packed batch (rows of every kind, GQA/MQA, windows, softcap)."""
+    batch = rng.choice([1, 2, 4])
+    seqlen = rng.choice([1, 3, 5, 6])
+    nheads_q, nheads_k = _draw_heads(rng)
+    headdim = rng.choice([2, 4, 8])
+    q = _randn(rng, batch, seqlen, nheads_q, headdim)
+    k = _randn(rng, batch, seqlen, nheads_k, headdim)
+    v = _randn(rng, batch, seqlen, nheads_k, headdim)
+    options = _draw_options(rng)
+    window = options.get("window_size", (-1, -1)) != (-1, -1)
+    rows = [_segment_row(rng, seqlen, window) for _ in range(batch)]
+    return (q, k, v, torch.tensor(rows, dtype=torch.int32)), options
+
+
 # ---------------------------------------------------------------------------------------
 # The op table
 # ---------------------------------------------------------------------------------------
@@ -314,6 +377,12 @@ OPS: tuple[OpSpec, ...] = (
         kernels.flash_attn_kvpacked_func,
         flash_attn_kvpacked_func_annotation,
         gen_flash_attn_kvpacked_func,
+    ),
+    OpSpec(
+        "flash_attn.flash_attn_segmented_func",
+        kernels.flash_attn_segmented_func,
+        flash_attn_segmented_func_annotation,
+        gen_flash_attn_segmented_func,
     ),
 )
 

@@ -250,3 +250,31 @@ def check_dense_call(
         tensors = (*tensors[:-1], *split_packed(fn, tensors[-1], name, count, layout))
     q, k, v = tensors
     return (q, k, v), check_dense(fn, q, k, v, options)
+
+
+def check_segmented(
+    fn: str, q: Any, k: Any, v: Any, segment_ids: Any, options: Options
+) -> DenseShapes:
+    """Check a ``flash_attn_segmented_func`` call: a dense call with one sequence length
+    and ``segment_ids (batch, seqlen)`` of integers or bools (values are read at run time)."""
+    shapes = check_dense(fn, q, k, v, options)
+    if shapes.seqlen_q != shapes.seqlen_k:
+        raise ValueError(
+            f"{fn}: q and k/v must have one sequence length (the tokens of a padded or packed "
+            f"batch), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if options.alibi_slopes is not None:
+        raise ValueError(f"{fn}: alibi_slopes is not an option of this function")
+    want = (shapes.batch, shapes.seqlen_q)
+    if not isinstance(segment_ids, torch.Tensor) or tuple(segment_ids.shape) != want:
+        got = (
+            tuple(segment_ids.shape)
+            if isinstance(segment_ids, torch.Tensor)
+            else type(segment_ids).__name__
+        )
+        raise ValueError(f"{fn}: segment_ids must have shape (batch, seqlen) = {want}, got {got}")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex:
+        raise TypeError(
+            f"{fn}: segment_ids must hold integers (0 = padding) or bools, got {segment_ids.dtype}"
+        )
+    return shapes

@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import torch
 
-from nnscaler_ops_flash_attn import checks, fallback
+from nnscaler_ops_flash_attn import checks, fallback, segments
 
 #: the output, or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs=True`` (flash-attn)
 Result = Union[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -188,3 +188,63 @@ def flash_attn_kvpacked_func(
     """:func:`flash_attn_func` with ``kv (batch, seqlen_k, 2, nheads_k, headdim)`` stacked."""
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return _dense("flash_attn_kvpacked_func", (q, kv), options, deterministic, return_attn_probs)
+
+
+def flash_attn_segmented_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_ids: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Attention over a padded or packed batch in the dense layout: ``q (batch, seqlen,
+    nheads, headdim)``, ``k``, ``v`` ``(batch, seqlen, nheads_k, headdim)``, and
+    ``segment_ids (batch, seqlen)`` (integers or bools).
+
+    Token ``i`` sees token ``j`` of its row when both have the same nonzero id, and
+    ``causal`` / ``window_size`` allow it (counted in positions of the row); 0 marks
+    padding, whose output rows are zero. A batch whose rows are each one id with no padding
+    is one :func:`flash_attn_func` call; otherwise the tokens that are not padding are
+    gathered into flash-attn's packed layout, run by :func:`flash_attn_varlen_func`, and
+    put back (:mod:`nnscaler_ops_flash_attn.segments` states when that is exact, and
+    raises where it is not). The other options are :func:`flash_attn_func`'s.
+    """
+    fn = "flash_attn_segmented_func"
+    options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap)
+    checks.check_segmented(fn, q, k, v, segment_ids, options)
+    if q.device.type == "meta":  # a trace on the meta device: only the shape
+        return torch.empty_like(q)
+    windowed = any(int(w) >= 0 for w in window_size)
+    where = segments.plan(fn, segment_ids, windowed)
+    if where.dense:
+        return _dense("flash_attn_func", (q, k, v), options, deterministic, False)
+    batch, seqlen, nheads, headdim = q.shape
+    out = q.new_zeros(batch * seqlen, nheads, headdim)
+    if not where.index.numel():  # every token is padding
+        return out.view(batch, seqlen, nheads, headdim)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(batch * seqlen, *x.shape[2:]).index_select(0, where.index)
+
+    packed = flash_attn_varlen_func(
+        gather(q),
+        gather(k),
+        gather(v),
+        where.cu_seqlens,
+        where.cu_seqlens,
+        where.max_seqlen,
+        where.max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        None,
+        deterministic,
+    )
+    return out.index_copy(0, where.index, packed).view(batch, seqlen, nheads, headdim)
