@@ -71,6 +71,8 @@ def _dense(
     """Check, then run ``flash_attn.<fn>(*tensors, ...)`` or the fallback on the unpacked
     ``q, k, v`` (``tensors``: ``(q, k, v)``, ``(q, kv)`` or ``(qkv,)``)."""
     (q, k, v), _ = checks.check_dense_call(fn, tensors, options)
+    if q.device.type == "meta" and not return_attn_probs:  # a trace on meta: the shape
+        return q.new_empty(*q.shape[:3], v.shape[-1])
     fa = _use_flash_attn(tensors[0])
     if fa is not None:
         kwargs = _flash_attn_kwargs(options, deterministic, return_attn_probs)
@@ -134,6 +136,8 @@ def flash_attn_varlen_func(
     fn = "flash_attn_varlen_func"
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     checks.check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, options, block_table)
+    if q.device.type == "meta" and not return_attn_probs:  # a trace on meta: the shape
+        return q.new_empty(*q.shape[:2], v.shape[-1])
     fa = _use_flash_attn(q)
     if fa is not None:
         kwargs = _flash_attn_kwargs(options, deterministic, return_attn_probs)
@@ -217,7 +221,7 @@ def flash_attn_segmented_func(
     fn = "flash_attn_segmented_func"
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap)
     checks.check_segmented(fn, q, k, v, segment_ids, options)
-    if q.device.type == "meta":  # a trace on the meta device: only the shape
+    if q.device.type == "meta":  # a trace on meta: the shape
         return torch.empty_like(q)
     windowed = any(int(w) >= 0 for w in window_size)
     where = segments.plan(fn, segment_ids, windowed)

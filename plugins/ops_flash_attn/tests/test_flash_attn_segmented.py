@@ -14,7 +14,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nnscaler_ops_flash_attn import flash_attn_func, flash_attn_segmented_func, kernels
+from nnscaler_ops_flash_attn import (
+    flash_attn_func,
+    flash_attn_segmented_func,
+    flash_attn_varlen_func,
+    kernels,
+)
 from nnscaler_ops_flash_attn.annotations import gen_flash_attn_segmented_func
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -105,11 +110,17 @@ def test_gradients_match_the_definition():
 
 
 def test_meta_tensors_give_the_shape():
+    """A trace on the meta device (shapes only) runs every function without reading data."""
     q = torch.empty(2, 5, 4, 8, device="meta")
     k = torch.empty(2, 5, 2, 8, device="meta")
     ids = torch.empty(2, 5, dtype=torch.int32, device="meta")
-    out = flash_attn_segmented_func(q, k, k, ids, causal=True)
+    out = flash_attn_segmented_func(q, k, k, ids, causal=True, window_size=(2, -1))
     assert out.shape == (2, 5, 4, 8) and out.device.type == "meta"
+    out = flash_attn_func(q, k, k, causal=True, window_size=(2, -1))
+    assert out.shape == (2, 5, 4, 8) and out.device.type == "meta"
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out = flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 5, 5, causal=True)
+    assert out.shape == (5, 4, 8) and out.device.type == "meta"
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,14 @@ def test_traced_with_no_data_read_and_exact_on_other_batches(kind: str):
         verify_graph(packed, model, {"batch": packed_batch(seed)}, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("shape", sorted(BATCHES))
+def test_traced_on_the_meta_device(shape: str, use_cache: bool):
+    graph = trace(WithLoss(build("mistral", NAME, use_cache)), {"batch": BATCHES[shape](0)},
+                  strategy="meta")
+    assert graph.data_dependent == [] and len(_ops(graph)) == 2
+
+
 def test_plain_batch_with_a_cache_is_one_flash_attn_func_per_layer():
     """With ``use_cache`` (transformers' default) the mask builder looks for no packing, as
     for sdpa: nothing to mask, each layer is one flash_attn_func."""
