@@ -161,3 +161,48 @@ def test_one_sequence_length_only():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="one sequence length"):
         flash_attn_segmented_func(q, k[:, :4], v[:, :4], torch.ones(2, 6, dtype=torch.int32))
+
+
+class _FlashAttnStandIn:
+    """flash-attn's two entry points as the op calls them on CUDA, with flash-attn 2.6's
+    keyword names and argument types checked, computed by the fallback (no GPU here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def flash_attn_func(self, q, k, v, *, dropout_p, softmax_scale, causal, window_size,
+                        alibi_slopes, deterministic, return_attn_probs, softcap=0.0):
+        self.calls.append("flash_attn_func")
+        return kernels.fallback.attention(
+            q, k, v, kernels.checks.Options(dropout_p, softmax_scale, causal, window_size,
+                                            softcap, alibi_slopes))
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, *, dropout_p, softmax_scale, causal, window_size,
+                               alibi_slopes, deterministic, return_attn_probs, softcap=0.0):
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        assert max_seqlen_q == int(lengths.max())  # the exact longest, not a bound
+        self.calls.append("flash_attn_varlen_func")
+        return kernels.fallback.varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            kernels.checks.Options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes))
+
+
+def test_the_flash_attn_path_gets_flash_attn_arguments(monkeypatch: pytest.MonkeyPatch):
+    """Where flash-attn runs (CUDA), the op calls its functions with their own argument
+    names and types: int32 offsets, Python int lengths."""
+    stand_in = _FlashAttnStandIn()
+    monkeypatch.setattr(kernels, "_use_flash_attn", lambda q: stand_in)
+    q, k, v = _qkv(batch=2, seqlen=6)
+    ids = torch.tensor([[1, 1, 2, 2, 2, 0], [0, 0, 5, 5, 5, 5]])
+    out = flash_attn_segmented_func(q, k, v, ids, causal=True, softcap=3.0, window_size=(1, 1))
+    assert stand_in.calls == ["flash_attn_varlen_func"]
+    want = reference(q, k, v, ids, causal=True, softcap=3.0, window_size=(1, 1))
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    plain = flash_attn_segmented_func(q, k, v, torch.ones(2, 6, dtype=torch.int32), causal=True)
+    assert stand_in.calls[-1] == "flash_attn_func"
+    torch.testing.assert_close(plain, reference(q, k, v, torch.ones(2, 6), causal=True),
+                               rtol=RTOL, atol=ATOL)
