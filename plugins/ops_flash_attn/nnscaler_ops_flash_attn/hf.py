@@ -18,7 +18,7 @@ no padding, no packing detected                 ``flash_attn_func``
 a padding mask (``attention_mask`` with 0s)     ``flash_attn_segmented_func``
 packed sequences (``position_ids`` restarting,  ``flash_attn_segmented_func``
 no padding mask)
-``cu_seq_lens_q/k`` given (padding-free         ``flash_attn_varlen_func``
+``cu_seq_lens_q/k`` given (padding-free         ``flash_attn_segmented_func``
 collators), batch of 1, no padding mask
 ==============================================  ====================================
 
@@ -28,7 +28,7 @@ tensor ops, by asking the rule whether each token sees its neighbour (see
 :func:`attention_mask`). What flash attention cannot express is refused with
 :class:`UnsupportedAttentionError`: custom mask overlays, 4D masks, a padding mask with a
 key/value cache, attention sinks; and, when the batch is run, a token that sees a later
-token under a causal mask.
+token under a causal mask, or ``cu_seq_lens_q`` and ``cu_seq_lens_k`` that differ.
 """
 
 from __future__ import annotations
@@ -209,22 +209,29 @@ def _packed(
     kwargs: dict[str, Any],
     options: dict[str, Any],
 ) -> torch.Tensor:
-    """Padding-free batches: the sequences of one row given by ``cu_seq_lens_q/k``."""
+    """Padding-free batches: the sequences of one row given by ``cu_seq_lens_q/k``, turned
+    into segment ids with tensor ops (``max_length_q/k`` are not used: as Python ints they
+    would be the dummy batch's in a trace; the operator finds the longest at run time)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None or cu_k is None:
         given = "cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k"
         raise _refuse(f"{given} was given without its partner; give both cu_seq_lens_q and _k")
-    if q.shape[0] != 1 or k.shape[0] != 1:
+    if q.shape[0] != 1 or k.shape[0] != 1 or q.shape[1] != k.shape[1]:
         raise _refuse(
-            f"cu_seq_lens_q/k describe the sequences of a batch of one row, got a batch of "
-            f"{q.shape[0]}"
+            f"cu_seq_lens_q/k describe the sequences of a batch of one row whose queries are "
+            f"its keys, got queries {tuple(q.shape[:2])} and keys {tuple(k.shape[:2])} "
+            f"(batch, seqlen)"
         )
-    # flash-attn sizes its work by max_seqlen, an upper bound: the row's length is one
-    # when the exact maximum is not a Python int (reading it would read tensor data)
-    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    max_q = max_q if isinstance(max_q, int) else q.shape[1]
-    max_k = max_k if isinstance(max_k, int) else k.shape[1]
-    out = ops.flash_attn_varlen_func(
-        q[0], k[0], v[0], cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **options
-    )
-    return out.unsqueeze(0)
+    tokens = torch.arange(q.shape[1], device=q.device)
+    ids_q, ids_k = _segment_ids(cu_q, tokens), _segment_ids(cu_k, tokens)
+    # the operator's ids serve queries and keys alike: where the two disagree it refuses
+    segment_ids = ids_q.masked_fill(ids_q != ids_k, -1).unsqueeze(0)
+    return ops.flash_attn_segmented_func(q, k, v, segment_ids, **options)
+
+
+def _segment_ids(cu_seqlens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Token ``t`` is in sequence ``n`` (id ``n + 1``) when ``cu[n] <= t < cu[n + 1]``;
+    tokens outside ``[cu[0], cu[-1])`` are padding (id 0)."""
+    cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64)
+    ids = torch.searchsorted(cu[1:], tokens, right=True) + 1
+    return ids.masked_fill((tokens < cu[0]) | (tokens >= cu[-1]), 0)

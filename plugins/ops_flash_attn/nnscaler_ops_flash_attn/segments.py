@@ -47,10 +47,11 @@ def plan(fn: str, segment_ids: torch.Tensor, windowed: bool) -> Plan:
         bad = int((ids.reshape(-1) < 0).nonzero()[0, 0])
         raise ValueError(
             f"{fn}: segment_ids must be >= 0 (0 marks padding), got "
-            f"{int(ids.reshape(-1)[bad])} at {_where(bad, seqlen)}. A negative id marks a "
-            f"token whose mask flash attention cannot express (for Hugging Face models: a "
-            f"token that sees a later token under a causal mask, as bidirectional image or "
-            f"prefix blocks do); run such a model with attn_implementation='sdpa'"
+            f"{int(ids.reshape(-1)[bad])} at {_where(bad, seqlen)}. The Hugging Face attention "
+            f"'nnscaler_fa' marks with -1 a token whose mask flash attention cannot express: "
+            f"one that sees a later token under a causal mask (bidirectional image or prefix "
+            f"blocks), or one that cu_seq_lens_q and cu_seq_lens_k put in different "
+            f"sequences; run such a model with attn_implementation='sdpa'"
         )
     if ids.numel() and bool(((ids == ids[:, :1]) & (ids != 0)).all()):
         empty = ids.new_zeros(0)

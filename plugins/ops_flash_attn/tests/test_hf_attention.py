@@ -178,10 +178,10 @@ def test_a_token_that_sees_a_later_one_is_refused_when_run():
         fa.flash_attn_segmented_func(q, q, q, segments, causal=True)
 
 
-def _attention_call(**kwargs):
+def _attention_call(rows: int = 2, **kwargs):
     model = build("llama", NAME)
-    q = torch.randn(2, 4, SEQ, 8)
-    k = torch.randn(2, 2, SEQ, 8)
+    q = torch.randn(rows, 4, SEQ, 8)
+    k = torch.randn(rows, 2, SEQ, 8)
     return fa.hf.attention_forward(model.model.layers[0].self_attn, q, k, k, None, **kwargs)
 
 
@@ -192,7 +192,37 @@ def test_attention_sinks_are_refused():
 
 def test_cu_seq_lens_need_one_row_and_both_halves():
     cu = torch.tensor([0, 4, SEQ], dtype=torch.int32)
-    with pytest.raises(fa.UnsupportedAttentionError, match="a batch of one row, got a batch of 2"):
+    with pytest.raises(fa.UnsupportedAttentionError, match="a batch of one row whose queries"):
         _attention_call(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     with pytest.raises(fa.UnsupportedAttentionError, match="without its partner"):
         _attention_call(cu_seq_lens_q=cu)
+
+
+def _cu(seed: int) -> torch.Tensor:
+    positions = packed_positions(seed)[0]
+    return torch.tensor([i for i in range(SEQ) if positions[i] == 0] + [SEQ], dtype=torch.int32)
+
+
+def _flattened(seed: int) -> dict[str, torch.Tensor]:
+    """What a padding-free collator gives: cu_seq_lens and Python int max lengths."""
+    batch, cu = packed_batch(seed), _cu(seed)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {**batch, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+            "max_length_k": longest}
+
+
+def test_cu_seq_lens_trace_holds_for_other_lengths():
+    """The dummy batch's max_length_q/k are not baked into the graph: batches with longer
+    sequences replay exactly."""
+    model = WithLoss(build("llama", NAME, use_cache=True))  # cu_seq_lens decide
+    graph = trace(model, {"batch": _flattened(seed=1)})  # longest: 5
+    assert graph.data_dependent == []
+    assert _ops(graph) == ["flash_attn.flash_attn_segmented_func"] * 2
+    for seed in (2, 3):  # longest 6, then 4
+        verify_graph(graph, model, {"batch": _flattened(seed)}, rtol=1e-6, atol=1e-7)
+
+
+def test_differing_cu_seq_lens_are_refused_when_run():
+    cu_q, cu_k = torch.tensor([0, 4, SEQ]), torch.tensor([0, 5, SEQ])
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k put in different"):
+        _attention_call(rows=1, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
