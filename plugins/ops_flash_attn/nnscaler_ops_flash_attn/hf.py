@@ -15,7 +15,7 @@ What a layer runs, by what the model's mask builder says (the same decisions tha
 the batch                                       operator
 ==============================================  ====================================
 no padding, no packing detected                 ``flash_attn_func``
-a padding mask (``attention_mask`` with 0s)     ``flash_attn_segmented_func``
+an ``attention_mask`` (padding; all ones too)   ``flash_attn_segmented_func``
 packed sequences (``position_ids`` restarting,  ``flash_attn_segmented_func``
 no padding mask)
 ``cu_seq_lens_q/k`` given (padding-free         ``flash_attn_segmented_func``
@@ -27,8 +27,9 @@ whether ``position_ids`` restart) it turns the model's own mask rule into segmen
 tensor ops, by asking the rule whether each token sees its neighbour (see
 :func:`attention_mask`). What flash attention cannot express is refused with
 :class:`UnsupportedAttentionError`: custom mask overlays, 4D masks, a padding mask with a
-key/value cache, attention sinks; and, when the batch is run, a token that sees a later
-token under a causal mask, or ``cu_seq_lens_q`` and ``cu_seq_lens_k`` that differ.
+key/value cache, attention sinks. Two cases show only in the data and are refused by the
+operator when the batch runs (a ``ValueError``): a token that sees a later token under a
+causal mask, and ``cu_seq_lens_q`` and ``cu_seq_lens_k`` that differ.
 """
 
 from __future__ import annotations
