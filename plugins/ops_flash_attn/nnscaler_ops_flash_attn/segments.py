@@ -43,7 +43,14 @@ def plan(fn: str, segment_ids: torch.Tensor, windowed: bool) -> Plan:
     """Gather plan of ``segment_ids (batch, seqlen)``; see the module docstring."""
     batch, seqlen = segment_ids.shape
     ids = segment_ids.to(torch.int64)
-    if ids.numel() and bool((ids < 0).any()):
+    if not ids.numel():
+        empty = ids.new_zeros(0)
+        return Plan(index=empty, cu_seqlens=empty.int(), max_seqlen=0, dense=False)
+    # one read from the device for both questions (this runs once per layer)
+    negative, dense = torch.stack(
+        [(ids < 0).any(), ((ids == ids[:, :1]) & (ids != 0)).all()]
+    ).tolist()
+    if negative:
         bad = int((ids.reshape(-1) < 0).nonzero()[0, 0])
         raise ValueError(
             f"{fn}: segment_ids must be >= 0 (0 marks padding), got "
@@ -53,7 +60,7 @@ def plan(fn: str, segment_ids: torch.Tensor, windowed: bool) -> Plan:
             f"blocks), or one that cu_seq_lens_q and cu_seq_lens_k put in different "
             f"sequences; run such a model with attn_implementation='sdpa'"
         )
-    if ids.numel() and bool(((ids == ids[:, :1]) & (ids != 0)).all()):
+    if dense:
         empty = ids.new_zeros(0)
         return Plan(index=empty, cu_seqlens=empty.int(), max_seqlen=seqlen, dense=True)
     flat = ids.reshape(-1)
