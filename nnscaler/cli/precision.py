@@ -1,197 +1,24 @@
-"""Mixed precision: fp32 master weights under a bf16/fp16 module, and fp16 loss scaling.
-
-``TrainerArgs(precision='bf16')`` (or ``'fp16'``) casts the module's floating-point
-parameters, buffers and inputs to that type, so forward and backward run in low
-precision. The optimizer must not update low-precision weights directly (small updates
-round away), so :func:`mixed_precision` turns any torch optimizer class into one that
-keeps, per parameter, an fp32 copy (``state['master_param']``) and fp32 optimizer state:
-at each step it casts the gradient to fp32, runs the wrapped algorithm on the master
-copy, and writes the result back, rounded, into the module's parameter.
-:class:`MixedPrecisionAdamW` is ``mixed_precision(torch.optim.AdamW)``.
-
-The master copy lives in the optimizer state, one value per parameter element, so it is
-saved, deduped and merged by ``nnscaler.checkpoint`` like ``exp_avg``.
-
-fp16 has a narrow range: :class:`DynamicLossScaler` multiplies the loss by a large
-factor before backward (so small gradients do not underflow), divides the gradients
-back before the step, and skips the step and halves the factor when a gradient
-overflowed; after ``growth_interval`` clean steps it doubles the factor again.
-"""
+"""The import path of the Trainer's mixed precision before it moved to
+:mod:`nnscaler.trainer.precision` (fp32 master weights, fp16 loss scaling)."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
-from typing import Any
-
-import torch
-
-from nnscaler.errors import NNScalerError
+from nnscaler.trainer.precision import (
+    DTYPES,
+    DynamicLossScaler,
+    MixedPrecisionAdam,
+    MixedPrecisionAdamW,
+    MixedPrecisionError,
+    grads_overflow,
+    mixed_precision,
+)
 
 __all__ = [
     "DTYPES",
     "DynamicLossScaler",
+    "MixedPrecisionAdam",
     "MixedPrecisionAdamW",
     "MixedPrecisionError",
+    "grads_overflow",
     "mixed_precision",
 ]
-
-#: The module dtype of each ``TrainerArgs.precision``.
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-
-
-class MixedPrecisionError(NNScalerError, ValueError):
-    """A precision setting that cannot work."""
-
-
-def _raw_step(cls: type) -> Any:
-    """``cls.step`` without torch's hook wrapper (the wrapper of our own class runs the
-    hooks once; the inner algorithm must not run them a second time)."""
-    step = cls.step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__
-    return step
-
-
-class _MixedPrecisionMixin:
-    """Master weights in fp32 for the parameters of lower precision (see module doc)."""
-
-    _nnscaler_base: type[torch.optim.Optimizer]
-
-    def _low_precision_params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.param_groups  # type: ignore[attr-defined]
-                for p in group["params"]
-                if p.is_floating_point() and p.dtype != torch.float32]
-
-    def step(self, closure: Any = None) -> Any:
-        """Run the wrapped optimizer on fp32 master copies of the low-precision params."""
-        swapped = []
-        for p in self._low_precision_params():
-            # the master leaves the state during the step: optimizers initialise their
-            # state when it is empty
-            master = self.state[p].pop("master_param", None)  # type: ignore[attr-defined]
-            if master is None:
-                master = p.detach().to(torch.float32)
-            low, grad = p.data, p.grad
-            p.grad = None
-            p.data = master
-            p.grad = None if grad is None else grad.to(torch.float32)
-            swapped.append((p, low, grad))
-        try:
-            loss = _raw_step(self._nnscaler_base)(self, closure)
-        finally:
-            for p, low, grad in swapped:
-                master = p.data
-                p.grad = None
-                p.data = low
-                p.grad = grad
-                with torch.no_grad():
-                    low.copy_(master)
-                self.state[p]["master_param"] = master  # type: ignore[attr-defined]
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, keeping the state of low-precision parameters (the master copies and
-        their moments) in fp32: torch casts floating state to each parameter's dtype,
-        so the parameters are shown to it as fp32 while it loads."""
-        lows = []
-        for group in self.param_groups:  # type: ignore[attr-defined]
-            for p in group["params"]:
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    lows.append((p, p.data, p.grad))
-                    p.grad = None
-                    p.data = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        try:
-            super().load_state_dict(state_dict)  # type: ignore[misc]
-        finally:
-            for p, low, grad in lows:
-                p.data = low
-                p.grad = grad
-
-
-@functools.cache
-def mixed_precision(optimizer_cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """A subclass of ``optimizer_cls`` that keeps fp32 master weights and fp32 state for
-    parameters of lower precision (fp32 parameters are updated as usual).
-
-    ``mixed_precision(torch.optim.SGD)(params, lr=0.1)`` is built like the original.
-    The same class is returned for the same ``optimizer_cls``.
-    """
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise MixedPrecisionError(
-            f"mixed_precision wraps a torch.optim.Optimizer subclass, got {optimizer_cls!r}. "
-            f"Fix: pass the optimizer class (e.g. torch.optim.AdamW), not a factory."
-        )
-    if issubclass(optimizer_cls, _MixedPrecisionMixin):
-        return optimizer_cls
-    name = f"MixedPrecision{optimizer_cls.__name__}"
-    cls = type(name, (_MixedPrecisionMixin, optimizer_cls), {
-        "_nnscaler_base": optimizer_cls,
-        "__module__": __name__,
-        "__doc__": f"{optimizer_cls.__name__} with fp32 master weights (see "
-                   f"nnscaler.cli.precision).",
-    })
-    return cls
-
-
-MixedPrecisionAdamW = mixed_precision(torch.optim.AdamW)
-MixedPrecisionAdam = mixed_precision(torch.optim.Adam)
-
-
-class DynamicLossScaler:
-    """fp16 dynamic loss scaling (state saved in checkpoints).
-
-    ``scale`` multiplies the loss; :meth:`update` halves it after an overflow (the step
-    is skipped) and doubles it after ``growth_interval`` steps without one.
-    """
-
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 min_scale: float = 1.0) -> None:
-        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1
-                and growth_interval > 0):
-            raise MixedPrecisionError(
-                f"DynamicLossScaler needs init_scale > 0, growth_factor > 1, 0 < "
-                f"backoff_factor < 1 and growth_interval > 0; got {init_scale}, "
-                f"{growth_factor}, {backoff_factor}, {growth_interval}"
-            )
-        self.scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.min_scale = float(min_scale)
-        self.good_steps = 0
-        self.skipped_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        """Adjust the scale after a step (``overflow``: a gradient was inf or nan)."""
-        if overflow:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self.good_steps = 0
-            self.skipped_steps += 1
-            return
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale *= self.growth_factor
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps,
-                "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-
-
-def grads_overflow(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """A 0-dim float tensor: 1.0 when any gradient of ``params`` holds inf or nan."""
-    flags = [torch.logical_not(torch.isfinite(p.grad).all()) for p in params
-             if p.grad is not None]
-    if not flags:
-        return torch.zeros(())
-    return torch.stack(flags).any().to(torch.float32)

@@ -13,8 +13,9 @@ import torch
 from dist_utils import run_distributed
 
 from nnscaler.cli import checkpointing as ckpt
-from nnscaler.cli.trainer import Trainer, TrainerError
+from nnscaler.cli.trainer import TrainerError
 from nnscaler.cli.trainer_args import CheckpointConfig, LRSchedulerConfig, OptimizerConfig
+from nnscaler.trainer.checkpointer import Checkpointer
 
 from .common import (
     MLP,
@@ -106,22 +107,22 @@ def test_rotation_last_and_best(tmp_path):
 def test_failed_save_leaves_no_complete_checkpoint(tmp_path, monkeypatch):
     args = trainer_args(tmp_path, max_train_steps=4, checkpoint=CheckpointConfig(
         save_dir=str(tmp_path / "ckpt"), every_n_train_steps=1))
-    real_write = Trainer._write_state
+    real_write = Checkpointer.write_state
 
     def crash_at_step_3(self, folder):
-        if self.global_step == 3:
+        if self.trainer.global_step == 3:
             (folder / "0.ckpt").write_bytes(b"half a file")
             raise OSError("disk full")
         real_write(self, folder)
 
-    monkeypatch.setattr(Trainer, "_write_state", crash_at_step_3)
+    monkeypatch.setattr(Checkpointer, "write_state", crash_at_step_3)
     with pytest.raises(TrainerError, match="saving checkpoint 0000-0003 failed.*disk full"):
         run_trainer(args)
     root = tmp_path / "ckpt"
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["0000-0001", "0000-0002"]
     assert (root / ".0000-0003.partial").is_dir()      # incomplete, never resumed from
     assert ckpt.resolve_resume("last", root).name == "0000-0002"
-    monkeypatch.setattr(Trainer, "_write_state", real_write)
+    monkeypatch.setattr(Checkpointer, "write_state", real_write)
     run_trainer(trainer_args(tmp_path, max_train_steps=4, checkpoint=CheckpointConfig(
         save_dir=str(root), every_n_train_steps=1, resume_from="last")))
     assert not (root / ".0000-0003.partial").exists()  # the next save of that name cleans it

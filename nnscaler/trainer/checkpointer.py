@@ -1,0 +1,297 @@
+"""Checkpoints of a run and resuming from them.
+
+A checkpoint holds the model, the optimizer, the LR scheduler, the loss scaler, every
+RNG and the training position, so that a resumed run equals the uninterrupted one
+bitwise (same world size and plan). Each rank writes its part into a ``.partial``
+folder; rank 0 renames it into place only when every rank reported success (the folder
+layout is :mod:`nnscaler.trainer.ckpt_layout`). Resuming with the same world size and
+plan reads each rank's own file; otherwise the checkpoint is merged and cut into this
+plan's pieces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from nnscaler.trainer import ckpt_layout as layout
+from nnscaler.trainer.collective import agree, barrier, gather
+from nnscaler.trainer.errors import TrainerError
+from nnscaler.trainer.hooks import call_hooks
+from nnscaler.trainer.progress import logger
+
+if TYPE_CHECKING:
+    from nnscaler.trainer.trainer import Trainer
+
+__all__ = ["Checkpointer"]
+
+
+def _to_cpu(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: x.cpu() if torch.is_tensor(x) else x, tree)
+
+
+class Checkpointer:
+    """Saves ``trainer``'s state as ``TrainerArgs.checkpoint`` says, and restores it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        #: the global step of the last checkpoint saved or resumed from
+        self.last_saved_step = -1
+        # RNG states of a checkpoint taken mid-epoch, restored when the epoch's data
+        # iterator has been made (as it was before the checkpoint in the original run)
+        self.pending_rng: dict[str, Any] | None = None
+
+    def plan_fingerprint(self) -> str:
+        """A digest of this rank's generated code: equal digests, equal plan."""
+        t = self.trainer
+        path = Path(type(t.model).generated_dir()) / f"gencode{t.rank}.py"
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    def status(self) -> dict[str, Any]:
+        """The training position and the numbers saved with it."""
+        t = self.trainer
+        return {
+            "epoch": t.epoch,
+            "step": t.global_step,
+            "step_in_epoch": t.step_in_epoch,
+            "epoch_end_done": t.epoch_end_done,
+            "best_loss": t.best_loss,
+            "train_loss": t.last_train_loss,
+            "global_batch_size": t.args.effective_global_batch_size,
+        }
+
+    # -- saving -------------------------------------------------------------------------
+    def save(self, loss: float) -> Path:
+        """Write the checkpoint of the current position (collective); returns its folder."""
+        t = self.trainer
+        cfg = t.args.checkpoint
+        save_dir = Path(cfg.save_dir)
+        name = layout.checkpoint_name(t.epoch, t.global_step)
+        logger.info("Saving checkpoint after %d steps with loss=%.4f.", t.global_step, loss)
+        better = loss < t.best_loss
+        if better and cfg.save_best:
+            logger.info("Best loss updated: %.4f -> %.4f", t.best_loss, loss)
+            t.best_loss = loss
+        self._write_everywhere(save_dir, name)
+        plans = gather(self.plan_fingerprint(), t.rank, t.world_size)
+        error: BaseException | None = None
+        if t.rank == 0:
+            try:
+                self._publish(save_dir, name, plans, better)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                error = e
+        if not agree(error is None, t.device):
+            raise TrainerError(
+                f"publishing checkpoint {name} in {save_dir} failed on rank 0"
+                + (f" ({type(error).__name__}: {error})" if error else "")
+                + ". Fix the cause (disk space, permissions) and resume from 'last'."
+            ) from error
+        barrier()
+        self.last_saved_step = t.global_step
+        return save_dir / name
+
+    def _write_everywhere(self, save_dir: Path, name: str) -> None:
+        """Every rank writes its part into the checkpoint's ``.partial`` folder; raises
+        on every rank when one failed."""
+        t = self.trainer
+        tmp = layout.partial_dir(save_dir, name)
+        if t.rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+        barrier()
+        error: BaseException | None = None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            self.write_state(tmp)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+        if not agree(error is None, t.device):
+            raise TrainerError(
+                f"saving checkpoint {name} failed on at least one rank"
+                + (f" (here: {type(error).__name__}: {error})" if error else "")
+                + f"; {tmp} is left incomplete and will never be resumed from. Fix the cause "
+                f"(disk space, permissions of {save_dir}) and resume from 'last'."
+            ) from error
+
+    def _publish(self, save_dir: Path, name: str, plans: Any, better: bool) -> None:
+        """Rank 0: rename the finished folder into place, point last/best, rotate."""
+        t = self.trainer
+        cfg = t.args.checkpoint
+        meta = {
+            "format": 1,
+            "save_type": cfg.save_type,
+            "world_size": t.world_size,
+            "plan_ngpus": t.args.compute_config.plan_ngpus,
+            "plans": plans,
+            "train_status": self.status(),
+        }
+        final = layout.publish(save_dir, name, meta)
+        logger.info("Saving checkpoint to %s", final)
+        if cfg.save_last:
+            logger.info("Saving checkpoint as the last checkpoint.")
+            layout.point(save_dir, "last", final, symlink=cfg.symlink_best_and_last)
+        if better and cfg.save_best:
+            logger.info("Saving checkpoint as the best checkpoint.")
+            layout.point(save_dir, "best", final, symlink=cfg.symlink_best_and_last)
+        for removed in layout.rotate(save_dir, cfg.keep_last_n_checkpoints):
+            logger.info("Removed old checkpoint %s", removed)
+
+    def _state(self) -> dict[str, Any]:
+        t = self.trainer
+        extra: dict[str, Any] = {}
+        call_hooks(t.hooks, "on_save_checkpoint", t, extra)
+        return {
+            "lr_scheduler": (t.lr_scheduler.state_dict()
+                             if t.lr_scheduler is not None else None),
+            "loss_scaler": (t.loss_scaler.state_dict()
+                            if t.loss_scaler is not None else None),
+            "train_status": self.status(),
+            "rng_states": layout.get_rng_states(),
+            "user": extra,
+        }
+
+    def write_state(self, folder: Path) -> None:
+        """Write this rank's part of the checkpoint into ``folder`` (merged: rank 0
+        writes the whole)."""
+        from nnscaler import checkpoint as ck
+
+        t = self.trainer
+        save_type = t.args.checkpoint.save_type
+        state = self._state()
+        if save_type == "sharded":
+            state["model"] = t.model.state_dict()
+            state["optimizer"] = t.optimizer.state_dict()
+            ck.save(state, layout.rank_file(folder, t.rank))
+        elif save_type == "deduped":
+            state["model"], state["optimizer"] = ck.deduped_state_dict(t.model, t.optimizer)
+            ck.save(state, layout.rank_file(folder, t.rank))
+        else:
+            model_sd = _to_cpu(t.model.state_dict())
+            opt_sd = _to_cpu(t.optimizer.state_dict())
+            gathered = gather((model_sd, opt_sd, state["rng_states"]), t.rank, t.world_size)
+            if gathered is not None:  # rank 0
+                merged, merged_opt = ck.merge_state_dicts([g[0] for g in gathered],
+                                                          [g[1] for g in gathered])
+                state["model"], state["optimizer"] = merged, merged_opt
+                state["rng_states"] = [g[2] for g in gathered]
+                ck.save(state, folder / layout.MERGED_FILE)
+
+    # -- resuming -----------------------------------------------------------------------
+    def resume(self) -> None:
+        """Load ``checkpoint.resume_from`` when it exists (``'last'`` after a restart of
+        a self-healing job)."""
+        cfg = self.trainer.args.checkpoint
+        resume_from = cfg.resume_from
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if resume_from is None and restarts > 0:
+            # a restarted attempt of a self-healing run: carry on from the last checkpoint
+            resume_from = "last"
+            logger.info("Restart %d of this job: resuming from the last checkpoint.", restarts)
+        folder = layout.resolve_resume(resume_from, cfg.save_dir)
+        if folder is None:
+            if resume_from is not None:
+                logger.info("No %r checkpoint in %s yet: starting from scratch.", resume_from,
+                            cfg.save_dir)
+            return
+        self.load(folder)
+
+    def load(self, folder: str | os.PathLike[str]) -> None:
+        """Restore everything from a checkpoint folder (collective). The same world size
+        and plan restore each rank's own file; otherwise the checkpoint is merged and cut
+        into this plan's pieces."""
+        t = self.trainer
+        folder = Path(folder)
+        meta = layout.read_meta(folder)
+        logger.info("Resuming from checkpoint %s", folder)
+        mine = self.plan_fingerprint()
+        same = (meta["save_type"] != "merged" and meta["world_size"] == t.world_size
+                and meta["plans"][t.rank] == mine)
+        if agree(same, t.device):
+            state, rng = self._load_own(folder, meta)
+        else:
+            state, rng = self._load_resharded(folder, meta)
+        if t.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            t.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if t.loss_scaler is not None and state["loss_scaler"] is not None:
+            t.loss_scaler.load_state_dict(state["loss_scaler"])
+        self._restore_position(folder, state["train_status"], rng)
+        call_hooks(t.hooks, "on_load_checkpoint", t, state.get("user", {}))
+        barrier()
+
+    def _load_own(self, folder: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Same world size and plan: this rank's own file."""
+        from nnscaler import checkpoint as ck
+
+        t = self.trainer
+        state = ck.load(layout.rank_file(folder, t.rank), map_location="cpu")
+        if meta["save_type"] == "sharded":
+            t.model.load_state_dict(state["model"])
+            t.optimizer.load_state_dict(state["optimizer"])
+        else:
+            ck.load_deduped_state_dict(t.model, state["model"], t.optimizer,
+                                       state["optimizer"])
+        return state, state["rng_states"]
+
+    def _load_resharded(self, folder: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Another world size or plan: the merged state, cut into this plan's pieces; the
+        RNG states only when the world size is the same."""
+        from nnscaler import checkpoint as ck
+
+        t = self.trainer
+        if meta["save_type"] == "merged":
+            state = ck.load(folder / layout.MERGED_FILE, map_location="cpu")
+            merged, merged_opt = state["model"], state["optimizer"]
+            rngs = state["rng_states"]
+        else:
+            states = [ck.load(layout.rank_file(folder, r), map_location="cpu")
+                      for r in range(meta["world_size"])]
+            merged, merged_opt = ck.merge_state_dicts([s["model"] for s in states],
+                                                      [s["optimizer"] for s in states])
+            rngs = [s["rng_states"] for s in states]
+            state = states[0]
+        ck.load_merged_state_dicts(t.model, merged, t.optimizer, merged_opt)
+        rng = rngs[t.rank] if meta["world_size"] == t.world_size else None
+        if rng is None:
+            logger.warning("The checkpoint was saved by %d ranks, this job has %d: random "
+                           "number generators start from the seed.", meta["world_size"],
+                           t.world_size)
+        return state, rng
+
+    def _restore_position(self, folder: Path, status: dict[str, Any], rng: Any) -> None:
+        t = self.trainer
+        if (status["step_in_epoch"] and not status["epoch_end_done"]
+                and status["global_batch_size"] != t.args.effective_global_batch_size):
+            raise TrainerError(
+                f"the checkpoint {folder} stopped in the middle of an epoch with a global "
+                f"batch size of {status['global_batch_size']} samples; this run takes "
+                f"{t.args.effective_global_batch_size} per step, so the data position "
+                f"cannot be carried over. Fix: keep global_batch_size (micro_batch_size x "
+                f"grad_accumulation_steps x scale units) equal, or resume from an epoch end."
+            )
+        t.epoch = int(status["epoch"])
+        t.global_step = int(status["step"])
+        t.step_in_epoch = int(status["step_in_epoch"])
+        t.epoch_end_done = bool(status["epoch_end_done"])
+        t.best_loss = float(status["best_loss"])
+        t.last_train_loss = float(status["train_loss"])
+        self.last_saved_step = t.global_step
+        self.pending_rng = rng
+        if rng is not None and t.epoch_end_done:
+            # the next iterator is made after this point in the uninterrupted run too
+            layout.set_rng_states(rng)
+            self.pending_rng = None
+
+    def restore_pending_rng(self) -> None:
+        """Called once the epoch's data iterator is made: the uninterrupted run created
+        it (drawing its base seed) before the checkpoint's RNG states were taken."""
+        if self.pending_rng is not None:
+            layout.set_rng_states(self.pending_rng)
+            self.pending_rng = None
