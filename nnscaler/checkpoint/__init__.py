@@ -31,7 +31,8 @@ from nnscaler.checkpoint.hub import (
     meta_parameters,
     save_pretrained,
 )
-from nnscaler.checkpoint.merge import load_merged_state_dicts, merge_state_dicts
+from nnscaler.checkpoint.merge import merge_state_dicts
+from nnscaler.checkpoint.split import load_merged_state_dicts
 from nnscaler.checkpoint.optimizer import track_optimizer
 
 __all__ = [

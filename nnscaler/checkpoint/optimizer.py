@@ -16,15 +16,26 @@ to know which is which:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from nnscaler.checkpoint.errors import CheckpointError, StateDictMismatchError
+from nnscaler.checkpoint.errors import (
+    CheckpointError,
+    OptimizerStateError,
+    StateDictMismatchError,
+)
 from nnscaler.runtime.state import FORMAT, attr_record, descriptor_map, optimizer_entry_id
 
-__all__ = ["OPTIMIZER_KEY", "optimizer_metadata", "parallel_modules", "track_optimizer"]
+__all__ = [
+    "OPTIMIZER_KEY",
+    "is_scalar",
+    "optimizer_metadata",
+    "parallel_modules",
+    "track_optimizer",
+    "unmergeable",
+]
 
 #: The key :func:`track_optimizer` adds to an optimizer's state dict.
 OPTIMIZER_KEY = "nnscaler"
@@ -136,3 +147,26 @@ def check_optimizer_metadata(saved: Mapping[str, Any], current: Mapping[str, Any
                 f"{tuple(a[3]) if a else 'absent'}), this optimizer has {what_b} (shape "
                 f"{tuple(b[3]) if b else 'absent'}). {fix}"
             )
+
+
+def is_scalar(value: Any) -> bool:
+    """Whether an optimizer state value is one value for the whole parameter (a step
+    count, a 0-dim tensor), not one per element."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def unmergeable(opt: str, key: Any, value: Any, what: str, shape: Sequence[int]
+                ) -> OptimizerStateError:
+    """The error for optimizer state ``key`` of ``what`` that is neither elementwise
+    nor a scalar (it cannot be merged or cut)."""
+    got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+           else f"a {type(value).__name__}")
+    return OptimizerStateError(
+        f"{opt} keeps the state {key!r} of {what} as {got}, neither one value per element "
+        f"(shape {tuple(shape)}) nor a scalar: its state cannot be merged or resharded. "
+        f"Merging supports elementwise optimizers (Adam, AdamW, SGD with momentum, "
+        f"Adagrad, RMSprop, ...); save per-rank state dicts for this optimizer (they reload "
+        f"into the same plan), or train with an elementwise optimizer"
+    )
