@@ -29,8 +29,8 @@ from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.layouts import relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
-from nnscaler.codegen.pipeline import StagePlan
 from nnscaler.codegen.program import AdapterSpec, OpStep, Program
+from nnscaler.codegen.stage_writer import StageWriter
 from nnscaler.codegen.wrap import WIDTH as _WIDTH
 from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME
@@ -125,7 +125,8 @@ class _Rank:
         self.anchors: list[str] = []
         self.pipe = p.pipeline
         self.group = self.pipe.group_of(self.device) if self.pipe is not None else None
-        self.received: set[str] = set()  # variables a stage receives (pipelines)
+        #: the writer of the pipeline's parts (the stage methods, the schedule)
+        self.stages = StageWriter(self, self.pipe) if self.pipe is not None else None
         self.segments: dict[int, recompute.Segment] = {}  # pieces of recompute groups
         self.methods: list[list[str]] = []  # the methods the pieces call
         self.per_unit = False  # the body names this scale unit's ranks (see _DeviceCode)
@@ -309,6 +310,10 @@ class _Rank:
         close()
         return blocks
 
+    def steps_lines(self, steps: list[OpStep]) -> list[str]:
+        """:meth:`steps_body` rendered (the blocks under their ``with`` statements)."""
+        return _render(self.steps_body(steps))
+
     def mutated_var(self, step: OpStep, full: FullTensor) -> str:
         """The variable an op step reads ``full`` from (what an in-place op changes)."""
         for k, r in enumerate(step.reads):
@@ -411,153 +416,6 @@ class _Rank:
         return (f"torch.utils._pytree.tree_unflatten([{items}], "
                 f"torch.utils._pytree.treespec_loads({dumped!r}))")
 
-    # -- pipeline stages ------------------------------------------------------------------
-    def held_pieces(self, fulls: list[FullTensor], stage: int) -> list[FullTensor]:
-        """The boundary tensors of which this device holds a piece on ``stage``."""
-        pipe = self.pipe
-        if pipe is None:
-            return []
-        return [f for f in fulls if self.device in pipe.view(f, stage).devices]
-
-    def piece(self, full: FullTensor, stage: int) -> str:
-        pipe = self.pipe
-        if pipe is None:
-            raise CodegenError("internal error: no pipeline")
-        box = pipe.view(full, stage).box(self.device)
-        shape = tuple(b - a for a, b in box)
-        grad = (full.requires_grad and not self.p.inference_only
-                and (full.dtype.is_floating_point or full.dtype.is_complex))
-        fields = [repr(self.p.variables[full]), repr(shape), literal(full.dtype)]
-        if grad:
-            fields.append("grad=True")
-        return f"Piece({', '.join(fields)})"
-
-    def stage_method(self, stage: StagePlan) -> list[str]:
-        pipe = self.pipe
-        if pipe is None:
-            raise CodegenError("internal error: no pipeline")
-        self.used = set()
-        self.anchors = []
-        received = self.held_pieces(stage.inputs, stage.index)
-        sent = self.held_pieces(stage.outputs, stage.index)
-        self.received = {self.p.variables[f] for f in received}
-        blocks = self.steps_body(stage.steps)
-        tail: list[str] = []
-        last = stage.index == pipe.last
-        if last:
-            for spec in self.p.output_adapters:
-                tail += self.adapter_lines(spec)
-            tail.append(f"return {self.returned()}")
-        else:
-            tail.append(f"return {self.stage_returned(stage, sent)}")
-        body = self.prologue() + self.clones(stage, received) + _render(blocks) + tail
-        args = [self.p.args[0][0], *(self.p.variables[f] for f in received)]
-        body = self.with_recompute(body, args)
-        nstages = len(pipe.stages)
-        what = []
-        if received:
-            what.append(f"receives {', '.join(self.p.variables[f] for f in received)} from "
-                        f"stage {stage.index - 1}")
-        if last:
-            what.append("returns the module's outputs")
-        else:
-            shown = ", ".join(self.p.variables[f] for f in sent) or "nothing (on this device)"
-            what.append(f"sends {shown} to stage {stage.index + 1}")
-        doc = (f'"""Stage {stage.index} of {nstages}, on devices {list(stage.devices)} of the '
-               f'scale unit: {"; ".join(what)}."""')
-        return ([f"def _stage_{stage.index}(self, {', '.join(args)}):", _INDENT + doc]
-                + [_INDENT + line for line in body])
-
-    def clones(self, stage: StagePlan, received: list[FullTensor]) -> list[str]:
-        """A received tensor that the stage changes in place is cloned first (it is a
-        leaf of autograd on this rank)."""
-        mine = set(received)
-        written = []
-        for step in stage.steps:
-            op = step.instances.get(self.device)
-            if op is None:
-                continue
-            for before, _ in op.mutations:
-                if before.full in mine and before.full not in written:
-                    written.append(before.full)
-        return [f"{self.p.variables[f]} = {self.p.variables[f]}.clone()" for f in written]
-
-    def stage_returned(self, stage: StagePlan, sent: list[FullTensor]) -> str:
-        items = [self.p.variables[f] for f in sent]
-        anchors = self.anchors if not self.p.inference_only else []
-        if anchors:
-            k = next((i for i, f in enumerate(sent) if f.requires_grad), None)
-            if k is None:
-                raise CodegenError(
-                    f"stage {stage.index} on device {self.device} only sends some tensors "
-                    f"inside the stage ({', '.join(anchors)}) and sends no tensor that "
-                    f"requires grad to the next stage, so the gradients of what it sent "
-                    f"would never come back. Replicate the ops of the stage on all its "
-                    f"devices, or let the stage end with a tensor that requires grad"
-                )
-            items[k] = f"anchored({items[k]}, anchors=({', '.join(anchors)},))"
-        if len(items) == 1:
-            return f"({items[0]},)"
-        return f"({', '.join(items)})"
-
-    def pipeline_attr(self) -> list[str]:
-        p, pipe = self.p, self.pipe
-        if pipe is None or self.group is None:
-            raise CodegenError("internal error: no pipeline")
-        lane = pipe.lane_of(self.device)
-        mine = [st for st in pipe.stages if st.group == self.group]
-        stage_ranks = tuple(self.offset + pipe.groups[st.group][lane] for st in pipe.stages)
-        last = pipe.stages[pipe.last]
-        settings = pipe.settings
-
-        def pieces(which: str) -> str:
-            items = []
-            for st in mine:
-                fulls = self.held_pieces(getattr(st, which), st.index)
-                if not fulls:
-                    continue
-                listed = ", ".join(self.piece(f, st.index) for f in fulls)
-                items.append(f"{st.index}: ({listed},)")
-            return "{" + ", ".join(items) + "}"
-
-        fields = [
-            f"scheduler={settings.scheduler!r}",
-            f"nstages={pipe.nstages}",
-            f"nvirtual={pipe.nvirtual}",
-            f"nmicros={settings.nmicros}",
-            f"stages={tuple(st.index for st in mine)!r}",
-            f"stage_ranks={stage_ranks!r}",
-            f"inputs={pieces('inputs')}",
-            f"outputs={pieces('outputs')}",
-            f"output_rank={self.offset + last.devices[0]}",
-            f"unit_ranks={p.unit_ranks(self.unit)!r}",
-            "schedule=SCHEDULE",
-        ]
-        lines = [f"{_INDENT}pipeline = Pipeline("]
-        lines += [f"{_INDENT * 2}{f}," for f in fields]
-        lines.append(f"{_INDENT})")
-        return lines
-
-    def schedule_lines(self) -> list[str]:
-        from nnscaler.runtime.pipeline import schedule_lines
-
-        pipe = self.pipe
-        if pipe is None or self.group is None:
-            raise CodegenError("internal error: no pipeline")
-        settings = pipe.settings
-        mine = [str(st.index) for st in pipe.stages if st.group == self.group]
-        each = "stage" if pipe.nvirtual == 1 else "stages"
-        head = [
-            f"# {settings.scheduler} schedule: {pipe.nstages} pipeline devices x "
-            f"{pipe.nvirtual} {each} each, {settings.nmicros} micro-batches. This rank runs "
-            f"stage{'s' if len(mine) > 1 else ''} {', '.join(mine)};",
-            "# its actions in order (the messages of one line are posted together: one "
-            "batch_isend_irecv)",
-            'SCHEDULE = parse_schedule("""',
-        ]
-        body = [_INDENT + line for line in schedule_lines(pipe.schedule[self.group])]
-        return [*head, *body, '""")']
-
     # -- __init__ -----------------------------------------------------------------------
     def init_lines(self) -> list[str]:
         p = self.p
@@ -633,31 +491,17 @@ class _Rank:
         """The parts of the file that depend on the device only: the same in every scale
         unit (wrapped already, see :class:`_DeviceCode`)."""
         p = self.p
-        pipe = self.pipe
-        methods: list[str] = []
-        if pipe is None:
+        stages = self.stages
+        if stages is None:
             body = self.forward_body()  # first: it collects adapters, imports and anchors
             params = ", ".join(["self", *(n if d is None else f"{n}={d}" for n, d in p.args)])
             methods = [f"def _forward_impl({params}):", *(_INDENT + line for line in body)]
         else:
-            for stage in pipe.stages:
-                if stage.group == self.group:
-                    methods += ["", *self.stage_method(stage)] if methods else \
-                        self.stage_method(stage)
-            checks = self.input_checks()
-            if checks:
-                methods += ["", f"def _check_inputs(self, {self.p.args[0][0]}):",
-                            f'{_INDENT}"""A micro-batch against the traced sample (train_step and '
-                            f'infer_step check each before the schedule runs)."""',
-                            *(_INDENT + line for line in checks)]
+            methods = stages.methods()
         for extra in self.methods:  # the pieces of recompute groups
             methods += ["", *extra]
         init = self.init_lines()
-        where = ""
-        if pipe is not None:
-            mine = [str(st.index) for st in pipe.stages if st.group == self.group]
-            where = (f": pipeline stage{'s' if len(mine) > 1 else ''} {', '.join(mine)} of "
-                     f"{len(pipe.stages)}")
+        where = stages.where() if stages is not None else ""
         imports = ["", "import torch"]
         modules = sorted(m for m in self.imports if m not in ("torch", "builtins"))
         imports += [f"import {m}" for m in modules if not m.startswith("nnscaler.")]
@@ -668,16 +512,14 @@ class _Rank:
         names = ["ParallelModule", "boundary"]
         if self.adapters:
             names.append("Adapter")
-        if pipe is not None:
-            names += ["Piece", "Pipeline", "parse_schedule"]
-            if any("anchored(" in line for line in methods):
-                names.append("anchored")
+        if stages is not None:
+            names += stages.runtime_names(methods)
         imports.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
         for d in self.defs:
             imports += ["", "", d.rstrip()]
         if self.adapters:
             imports.append("")
-        schedule = ["", *self.schedule_lines()] if pipe is not None else []
+        schedule = ["", *stages.schedule_lines()] if stages is not None else []
         body = ["", f"{_INDENT}def __init__(self, init_params: bool = True) -> None:",
                 f"{_INDENT * 2}super().__init__(init_params)"]
         body += [_INDENT * 2 + line for line in init]
@@ -724,7 +566,7 @@ class _Rank:
             definitions.append(wrapped)
         adapters = _Wrapped.joined(definitions)
         cls = ["", "", "class GenModel(ParallelModule):", f"{_INDENT}rank = {self.rank}"]
-        pipeline = self.pipeline_attr() if self.pipe is not None else []
+        pipeline = self.stages.pipeline_attr() if self.stages is not None else []
         # the file is the concatenation of these parts, wrapped line by line: the parts of
         # the device and of the program are wrapped once (outside a string, where every
         # part ends)
