@@ -7,7 +7,9 @@
 - :func:`load_generated_class`: import a rank's ``GenModel``.
 
 A graph cut into pipeline stages becomes one method per stage and the rank's schedule
-(:mod:`nnscaler.codegen.pipeline`, ``docs/pipeline.md``).
+(:mod:`nnscaler.codegen.pipeline` finds the stages, :mod:`nnscaler.codegen.stage_writer`
+writes them; ``docs/pipeline.md``). :mod:`nnscaler.codegen.emit` writes a rank's file from
+the parts of :mod:`nnscaler.codegen.file_parts`.
 
 See ``docs/codegen.md`` for what the generated code looks like and
 ``docs/internals/parallel-runtime.md`` for the contract it implements.

@@ -11,7 +11,7 @@ from plan_helpers import case, data_parallel, megatron_mlp, replicate_rest
 from torch import nn
 
 from nnscaler.codegen import build_program, emit_files, generate, generate_rank
-from nnscaler.codegen.emit import _Wrapped
+from nnscaler.codegen.file_parts import Wrapped as _Wrapped
 from nnscaler.codegen.wrap import unwrap, wrap_lines
 from nnscaler.graph import IRGraph
 from nnscaler.trace import trace
