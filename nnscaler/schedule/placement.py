@@ -69,23 +69,10 @@ def send_for(action: Action, nstages: int, nvirtual: int = 1) -> Comm | None:
     return None
 
 
-def add_communication(
-    compute: Sequence[Sequence[Action]],
-    nstages: int,
-    nvirtual: int = 1,
-    *,
-    fwd_time: float = 1.0,
-    bwd_time: float = 2.0,
-) -> list[list[Action]]:
-    """Add the sends and receives to per-device lists of forwards and backwards.
-
-    ``fwd_time`` and ``bwd_time`` (positive) time the reference timeline that decides
-    where each message goes; any values give a schedule without deadlock, the right
-    ones give the least waiting. Raises :class:`ScheduleError` when a list holds a
-    message or an action of a stage the device does not hold, or when the order of the
-    forwards and backwards cannot run (an action waits for one that no device runs, or
-    the devices wait for each other in a cycle).
-    """
+def _check_compute(compute: Sequence[Sequence[Action]], nstages: int, fwd_time: float,
+                   bwd_time: float) -> None:
+    """The arguments of :func:`add_communication`: positive times, one list per device,
+    each of forwards and backwards of the stages the device holds."""
     for name, value in (("fwd_time", fwd_time), ("bwd_time", bwd_time)):
         if not value > 0:
             raise ValueError(f"{name} must be a positive time, got {value!r}")
@@ -111,6 +98,26 @@ def add_communication(
                     device=device,
                     action=action,
                 )
+
+
+def add_communication(
+    compute: Sequence[Sequence[Action]],
+    nstages: int,
+    nvirtual: int = 1,
+    *,
+    fwd_time: float = 1.0,
+    bwd_time: float = 2.0,
+) -> list[list[Action]]:
+    """Add the sends and receives to per-device lists of forwards and backwards.
+
+    ``fwd_time`` and ``bwd_time`` (positive) time the reference timeline that decides
+    where each message goes; any values give a schedule without deadlock, the right
+    ones give the least waiting. Raises :class:`ScheduleError` when a list holds a
+    message or an action of a stage the device does not hold, or when the order of the
+    forwards and backwards cannot run (an action waits for one that no device runs, or
+    the devices wait for each other in a cycle).
+    """
+    _check_compute(compute, nstages, fwd_time, bwd_time)
     starts, ends = _reference_times(compute, nstages, nvirtual, fwd_time, bwd_time)
     start_of = {
         a: t
