@@ -71,44 +71,13 @@ def check_promise(
     bound = anno.bind(shapes, kwargs)
     name = f"annotation '{anno}'"
     whole = _outputs(fn(*inputs, **kwargs), anno, "the op")
-    for k, (out, shape) in enumerate(zip(whole, bound.output_shapes, strict=True)):
-        if shape is None:
-            continue
-        real = tuple(out.shape) if isinstance(out, torch.Tensor) else None
-        if real != shape and not (real == () and shape == (1,)):  # a 0-d tensor is '1'
-            what = f"shape {real}" if real is not None else f"a {type(out).__name__}"
-            raise PromiseBrokenError(f"{name}: output {k} should have shape {shape} but the op "
-                                     f"returned {what}")
-
+    _check_output_shapes(name, whole, bound.output_shapes)
     if nums is None:
         space = bound.transform_space(rules=rules)
     else:
         space = [t for n in nums for t in bound.transform_space(n, rules=rules)]
     for t in space:
-        part_fn, collective = fn, False
-        if t.part_op is not None:
-            if part_op is None:
-                raise ValueError(f"{name}, {t}: the parts call the op {t.part_op!r}; pass "
-                                 f"part_op= to resolve it (verify_op does)")
-            part_fn, collective = part_op(t.part_op)
-        calls = []
-        for part in range(t.num):
-            args = [x if layout is None or not isinstance(x, torch.Tensor)
-                    else _piece(layout, x, t.num, part)
-                    for x, layout in zip(inputs, t.inputs, strict=True)]
-            kw = part_kwargs(t, kwargs, part) if part_kwargs else t.part_kwargs(kwargs, part)
-            calls.append(functools.partial(_call, part_fn, args, kw, collective))
-        results: list[Any] = []
-        try:
-            if collective:
-                results = run_parts(calls)
-            else:
-                for call in calls:
-                    results.append(call(None))
-        except Exception as e:
-            which = "one of the parts" if collective else f"part {len(results)}"
-            raise PromiseBrokenError(f"{name}, {t}: the op failed on {which}: "
-                                     f"{type(e).__name__}: {e}") from e
+        results = _run_parts(name, t, fn, inputs, kwargs, part_kwargs, part_op)
         parts = [_outputs(r, anno, f"part {p} of {t}") for p, r in enumerate(results)]
         for k, layout in enumerate(t.outputs):
             if layout is None or bound.output_shapes[k] is None:
@@ -120,6 +89,57 @@ def check_promise(
             _compare(layout.combine([p[k] for p in parts]), whole[k], rtol, atol,
                      f"{name} breaks its promise under {t}: output {k}", hint)
     return space
+
+
+def _check_output_shapes(name: str, whole: Sequence[Any],
+                         shapes: Sequence[tuple[int, ...] | None]) -> None:
+    """The op's outputs have the shapes the annotation infers (None: not a tensor)."""
+    for k, (out, shape) in enumerate(zip(whole, shapes, strict=True)):
+        if shape is None:
+            continue
+        real = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        if real != shape and not (real == () and shape == (1,)):  # a 0-d tensor is '1'
+            what = f"shape {real}" if real is not None else f"a {type(out).__name__}"
+            raise PromiseBrokenError(f"{name}: output {k} should have shape {shape} but the op "
+                                     f"returned {what}")
+
+
+def _run_parts(
+    name: str,
+    t: Transform,
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    kwargs: dict[str, Any],
+    part_kwargs: Callable[[Transform, Mapping[str, Any], int], dict[str, Any]] | None,
+    part_op: Callable[[str], tuple[Callable[..., Any], bool]] | None,
+) -> list[Any]:
+    """The results of the ``t.num`` parts of transform ``t``, each run on its pieces of
+    the inputs (a collective part op: all together)."""
+    part_fn, collective = fn, False
+    if t.part_op is not None:
+        if part_op is None:
+            raise ValueError(f"{name}, {t}: the parts call the op {t.part_op!r}; pass "
+                             f"part_op= to resolve it (verify_op does)")
+        part_fn, collective = part_op(t.part_op)
+    calls = []
+    for part in range(t.num):
+        args = [x if layout is None or not isinstance(x, torch.Tensor)
+                else _piece(layout, x, t.num, part)
+                for x, layout in zip(inputs, t.inputs, strict=True)]
+        kw = part_kwargs(t, kwargs, part) if part_kwargs else t.part_kwargs(kwargs, part)
+        calls.append(functools.partial(_call, part_fn, args, kw, collective))
+    results: list[Any] = []
+    try:
+        if collective:
+            results = run_parts(calls)
+        else:
+            for call in calls:
+                results.append(call(None))
+    except Exception as e:
+        which = "one of the parts" if collective else f"part {len(results)}"
+        raise PromiseBrokenError(f"{name}, {t}: the op failed on {which}: "
+                                 f"{type(e).__name__}: {e}") from e
+    return results
 
 
 def _piece(layout: Any, x: torch.Tensor, num: int, part: int) -> torch.Tensor:
