@@ -32,8 +32,8 @@ from nnscaler.checkpoint.hub import (
     save_pretrained,
 )
 from nnscaler.checkpoint.merge import merge_state_dicts
-from nnscaler.checkpoint.split import load_merged_state_dicts
 from nnscaler.checkpoint.optimizer import track_optimizer
+from nnscaler.checkpoint.reshard import load_merged_state_dicts
 
 __all__ = [
     "CheckpointError",

@@ -5,7 +5,7 @@ parts summed), restores tied names and the tensors no rank holds, and merges the
 state of elementwise optimizers (Adam, AdamW, SGD with momentum, ...), ZeRO shards
 included. The result is what the single-device model and optimizer load with their own
 ``load_state_dict``; the other direction, cutting such a full state dict into the pieces
-of any plan, is :mod:`nnscaler.checkpoint.split`.
+of any plan, is :mod:`nnscaler.checkpoint.reshard`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Split a full state dict into the pieces of any plan, and load them: the direction
-opposite to :mod:`nnscaler.checkpoint.merge`.
+"""Reshard: cut a full state dict into the pieces of any plan, and load them (the
+direction opposite to :mod:`nnscaler.checkpoint.merge`).
 
 :func:`load_merged_state_dicts` takes the state dict of the original module (its own, or
 one :func:`~nnscaler.checkpoint.merge.merge_state_dicts` made from the ranks' pieces) and
