@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from nnscaler.trainer import ckpt_layout as layout
 from nnscaler.trainer.collective import is_distributed
@@ -62,8 +63,6 @@ class Builder:
 
                 init_distributed(timeout=args.collective_timeout)
         if is_distributed():
-            import torch.distributed as dist
-
             t.rank, t.world_size = dist.get_rank(), dist.get_world_size()
         if t.world_size != args.compute_config.runtime_ngpus:
             raise ConfigError(
