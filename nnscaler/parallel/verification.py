@@ -659,6 +659,28 @@ def _check_args(module: Any, dummy_forward_args: Any, compute_config: Any) -> No
                           "ComputeConfig(inference_only=False)")
 
 
+def _run_everywhere(outdir: str, args: dict[str, Any], config: ComputeConfig, nmicros: int,
+                    timeout: float) -> list[Any]:
+    """Every rank's records of the files in ``outdir``: run by the ranks of the process
+    group under torchrun, else by ``runtime_ngpus`` forked CPU processes."""
+
+    def run(rank: int) -> Any:
+        return _run_rank(outdir, rank, args, config.use_end2end, nmicros, config.use_zero)
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _spawn(run, config.runtime_ngpus, timeout)
+    if dist.get_world_size() != config.runtime_ngpus:
+        raise VerifyError(
+            f"verify runs the plan on runtime_ngpus={config.runtime_ngpus} processes, "
+            f"but the process group has {dist.get_world_size()}; launch torchrun "
+            f"with --nproc-per-node {config.runtime_ngpus}, or call verify outside "
+            f"torch.distributed to let it start its own processes")
+    mine = run(dist.get_rank())
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, mine)
+    return records
+
+
 def verify(
     module: torch.nn.Module,
     dummy_forward_args: dict[str, Any],
@@ -718,28 +740,11 @@ def verify(
     ref_values, ref_grads, ref_params = _reference(graph, state, dummy_forward_args,
                                                    config.use_end2end)
 
-    in_group = dist.is_available() and dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="nnscaler-verify-") as outdir:
         emit_files(planned, outdir, plan_ngpus=config.plan_ngpus,
                    runtime_ngpus=config.runtime_ngpus, state=state,
                    end2end=config.use_end2end, compute_config=config, program=program)
-
-        def run(rank: int) -> Any:
-            return _run_rank(outdir, rank, dummy_forward_args, config.use_end2end, nmicros,
-                             config.use_zero)
-
-        if in_group:
-            if dist.get_world_size() != config.runtime_ngpus:
-                raise VerifyError(
-                    f"verify runs the plan on runtime_ngpus={config.runtime_ngpus} processes, "
-                    f"but the process group has {dist.get_world_size()}; launch torchrun "
-                    f"with --nproc-per-node {config.runtime_ngpus}, or call verify outside "
-                    f"torch.distributed to let it start its own processes")
-            mine = run(dist.get_rank())
-            records: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(records, mine)
-        else:
-            records = _spawn(run, config.runtime_ngpus, timeout)
+        records = _run_everywhere(outdir, dummy_forward_args, config, nmicros, timeout)
     compare = _Compare(program, records, ref_values, ref_grads, ref_params, nmicros, rtol, atol)
     first = compare.forward() or compare.backward() or compare.parameters()
     return VerifyReport(
