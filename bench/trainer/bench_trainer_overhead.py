@@ -103,15 +103,15 @@ def _run(rank: int, world: int, workdir: str, steps: int, warmup: int) -> dict:
 
     trainer.train_sampler.set_epoch(0)
     trainer_it = iter(trainer.train_loader)
-    trainer._open_progress()
+    trainer.progress.open()
 
     def trainer_step() -> float:
-        # the body of the Trainer's loop (Trainer._train_epoch) for one step
+        # the body of the Trainer's loop (StepLoop._train_epoch) for one step
         batches = [next(trainer_it) for _ in range(args.update_freq)]
-        trainer._train_step(batches)
+        trainer.loop.train_step(batches)
         trainer.step_in_epoch += 1
         trainer.global_step += 1
-        trainer._after_step()
+        trainer.loop.after_step()
         return trainer.last_train_loss
 
     return time_modes({"hand": hand, "trainer": trainer_step}, steps, warmup)

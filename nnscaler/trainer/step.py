@@ -116,7 +116,7 @@ class StepLoop:
             self.train_step(batches)
             t.step_in_epoch += 1
             t.global_step += 1
-            self._after_step()
+            self.after_step()
         if t.step_in_epoch >= self.steps_per_epoch:
             self._end_epoch()
 
@@ -139,7 +139,9 @@ class StepLoop:
             t.step_in_epoch = 0
             t.epoch_end_done = False
 
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
+        """After a step: the progress bar and logs, then validation and a checkpoint when
+        their interval ends here."""
         t, args = self.trainer, self.trainer.args
         t.progress.update(done=self.done())
         val_loss = None
