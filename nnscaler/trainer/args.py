@@ -59,10 +59,17 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 @dataclass(kw_only=True)
 class ModelConfig(Checked):
     """The model: ``type(**args)`` builds it (an ``nn.Module`` subclass; its ``forward``
-    takes one batch and returns the loss first)."""
+    takes one batch and returns the loss first).
+
+    ``pretrained``: a Hugging Face Hub-format folder (``model.safetensors`` or shards with
+    their index) the parallel model starts from, each rank reading only its slices
+    (:func:`nnscaler.load_pretrained`; a checkpoint to resume from still wins). With
+    ``compute_config.trace_strategy='meta'`` the model is built with its parameters on the
+    meta device (:func:`nnscaler.meta_parameters`), so no process ever holds all of it."""
 
     type: TypeRef
     args: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
     _key: str = key_field()
 
     def __post_init__(self) -> None:

@@ -152,6 +152,11 @@ class Builder:
         cls = self.model_class()
 
         def build() -> torch.nn.Module:
+            if self.meta_parameters():
+                from nnscaler.checkpoint import meta_parameters
+
+                with meta_parameters():
+                    return cls(**args.model.args)
             model = cls(**args.model.args)
             if args.tracing_from_weights is not None:
                 from nnscaler.checkpoint import load
@@ -160,6 +165,12 @@ class Builder:
             return model
 
         return build
+
+    def meta_parameters(self) -> bool:
+        """Pretrained weights with a meta trace: the model is built without its weights."""
+        args = self.trainer.args
+        return (args.model.pretrained is not None
+                and args.compute_config.trace_strategy == "meta")
 
     def parallelize(self, *, load_module: bool) -> Any:
         """``nnscaler.parallelize`` the model class on the dummy input; the parallel

@@ -155,7 +155,11 @@ class Trainer:
         build.build_datasets(loaders=True)
         build.make_dummy_input()
         cls = build.parallelize(load_module=True)
-        self.model = cls(init_params=True)
+        self.model = cls(init_params=not build.meta_parameters())
+        if args.model.pretrained is not None:
+            from nnscaler.checkpoint import load_pretrained
+
+            load_pretrained(self.model, args.model.pretrained)
         build.seed()  # ranks leave parallelize with different RNG states; even them out
         build.build_optimizer()
         self.progress.build_loggers()

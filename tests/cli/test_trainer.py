@@ -13,7 +13,7 @@ import torch
 from dist_utils import run_distributed
 
 from nnscaler.cli import checkpointing as ckpt
-from nnscaler.cli.trainer import TrainerError
+from nnscaler.cli.trainer import Trainer, TrainerError
 from nnscaler.cli.trainer_args import CheckpointConfig, LRSchedulerConfig, OptimizerConfig
 from nnscaler.trainer.checkpointer import Checkpointer
 
