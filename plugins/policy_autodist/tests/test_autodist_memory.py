@@ -109,6 +109,7 @@ def test_measure_training_step_by_hand(optimizer):
         assert m.unaccounted == 0, m
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_measure_cuda_step_by_hand():
     lin = torch.nn.Linear(512, 512, bias=False).cuda()
