@@ -8,6 +8,7 @@ still chosen to finish in seconds.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import re
@@ -291,11 +292,13 @@ AUTODIST_GPT = {
     "cuda": dict(vocab_size=8192, n_layer=8, n_head=16, d_model=1024, seq_len=512),
 }
 AUTODIST_BATCH = {"cpu": 4, "cuda": 8}
-#: The band of estimate / measured step time that passes: the cost model sums op times
-#: profiled one by one (calibrated against a whole forward and backward of the model);
-#: within a factor of 2 it ranks plans usefully, and a ratio outside says the profile
-#: does not describe this device.
-ESTIMATE_BAND = (0.5, 2.0)
+#: The band of estimate / measured step time that passes, by device. The cost model sums
+#: op times profiled one by one (calibrated against a whole forward and backward of the
+#: model). On a GPU, which nothing else shares, within a factor of 2 it ranks plans
+#: usefully, and a ratio outside says the profile does not describe the device. On a
+#: shared CPU the profile and the timed steps see different loads (2 cores, other jobs):
+#: a factor of 4 there still catches a profile of the wrong device or unit.
+ESTIMATE_BAND = {"cuda": (0.5, 2.0), "cpu": (0.25, 4.0)}
 
 
 def autodist_estimate(ctx: Context) -> list[Result]:
@@ -338,17 +341,17 @@ def autodist_estimate(ctx: Context) -> list[Result]:
     measured = statistics.median(times)
     estimate = result.pipeline.step_time
     ratio = estimate / measured
+    band = ESTIMATE_BAND[ctx.device]
     profiles = sorted(p.name for p in profile_dir.rglob("*") if p.is_file())
     figures = {"estimate_ms": estimate * 1e3, "measured_ms": measured * 1e3,
-               "estimate_over_measured": ratio, "band": ESTIMATE_BAND,
+               "estimate_over_measured": ratio, "band": band,
                "step_ms": [t * 1e3 for t in times], "profiled_ops": result.profiled,
                "profile_files": profiles, "solver": solver, "plan_seconds": round(plan_s, 1),
                "search_seconds": round(result.search_seconds, 2),
                "model": AUTODIST_GPT[ctx.device], "batch": AUTODIST_BATCH[ctx.device]}
-    ok = ESTIMATE_BAND[0] <= ratio <= ESTIMATE_BAND[1] and bool(profiles)
+    ok = band[0] <= ratio <= band[1] and bool(profiles)
     line = (f"estimate {estimate * 1e3:.2f} ms vs measured {measured * 1e3:.2f} ms "
-            f"(median of {steps}): ratio {ratio:.2f}, band {ESTIMATE_BAND[0]}-"
-            f"{ESTIMATE_BAND[1]}; {result.profiled} ops profiled on {dev} "
+            f"(median of {steps}): ratio {ratio:.2f}, band {band[0]}-{band[1]}; {result.profiled} ops profiled on {dev} "
             f"({', '.join(profiles) or 'no profile written'}); solver {solver}; "
             f"planned in {plan_s:.1f} s")
     return [Result("PASS" if ok else "FAIL", "autodist-estimate", line, figures)]
@@ -373,9 +376,10 @@ def measure_peak_check(ctx: Context) -> list[Result]:
         b = torch.empty(n, dtype=torch.uint8, device=dev)
         del a, b
 
+    gc.collect()  # what earlier checks left in cycles goes now, not during the step
     sync(dev)
     before = torch.cuda.memory_allocated(dev) if ctx.cuda else tensor_bytes(held)
-    _, known = measure_peak(two_blocks, held, device=dev)
+    known = measure_peak(two_blocks, held, device=dev)[1]
     if known.transient != 2 * n:
         problems.append(f"known step: transient {known.transient} B, expected {2 * n}")
     if known.resident != before:
@@ -396,8 +400,9 @@ def measure_peak_check(ctx: Context) -> list[Result]:
         return loss.detach()
 
     step()  # gradients and optimizer state exist from here on
-    _, first = measure_peak(step, model, opt, batch)
-    _, second = measure_peak(step, model, opt, batch)
+    # the step's result (the loss) is dropped at once: kept, it would be resident after
+    first = measure_peak(step, model, opt, batch)[1]
+    second = measure_peak(step, model, opt, batch)[1]
     figures: dict[str, Any] = {
         "method": first.method, "known_bytes": 2 * n, "known_transient": known.transient,
         "step_resident": first.resident, "step_peak": first.peak,
@@ -406,6 +411,7 @@ def measure_peak_check(ctx: Context) -> list[Result]:
     if first.peak != second.peak:
         problems.append(f"the same step measured {first.peak} B then {second.peak} B")
     if ctx.cuda:
+        gc.collect()
         sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
