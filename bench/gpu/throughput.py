@@ -157,10 +157,11 @@ def throughput(ctx: Context) -> list[Result]:
     warmup = 2
     steps = ctx.steps or (10 if ctx.cuda else 3)
     torch.manual_seed(0)
-    base = LlamaLM(**config).to(torch.bfloat16)
+    with torch.device(dev):  # initialising 1 B parameters takes seconds on the GPU, not 10s
+        base = LlamaLM(**config).to(torch.bfloat16)
     params = sum(p.numel() for p in base.parameters())
     weights = str(ctx.workdir / "llama.pt")
-    torch.save(base.state_dict(), weights)
+    torch.save({k: v.cpu() for k, v in base.state_dict().items()}, weights)
     del base
     data = {k: v.to(dev) for k, v in token_batch(config["vocab_size"], batch, seq).items()}
     tokens = batch * seq
@@ -168,9 +169,10 @@ def throughput(ctx: Context) -> list[Result]:
     peak = ctx.peak_tflops if ctx.cuda else None
 
     def fresh() -> torch.nn.Module:
-        model = LlamaLM(**config).to(torch.bfloat16)
-        model.load_state_dict(torch.load(weights, weights_only=True))
-        return model.to(dev)
+        with torch.device(dev):
+            model = LlamaLM(**config).to(torch.bfloat16)
+        model.load_state_dict(torch.load(weights, map_location=dev, weights_only=True))
+        return model
 
     rows, first, extra = [], {}, {}
     t_times, first["trainer"], extra["trainer_setup_s"] = _trainer(
