@@ -13,6 +13,15 @@ class CheckTimeout(Exception):
     """A check ran past its time limit."""
 
 
+def timeout_in(error: BaseException) -> CheckTimeout | None:
+    """The :class:`CheckTimeout` that ``error`` is or wraps (torch.compile wraps what its
+    traced code raises), else None."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, CheckTimeout):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 @dataclass
 class Result:
     """One line of the report."""

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Context, Result
+from _common import Context, Result, timeout_in
 from checks import LlamaLM, device_of, sync, time_steps, token_batch
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -174,45 +174,76 @@ def throughput(ctx: Context) -> list[Result]:
         model.load_state_dict(torch.load(weights, map_location=dev, weights_only=True))
         return model
 
-    rows, first, extra = [], {}, {}
-    t_times, first["trainer"], extra["trainer_setup_s"] = _trainer(
-        ctx, config, seq, batch, weights, warmup, steps)
-    _free(ctx)
-    rows.append(_row("trainer", t_times, tokens, fpt, peak))
-    e_times, first["eager"] = _loop(fresh(), data, dev, warmup, steps)
-    _free(ctx)
-    rows.append(_row("eager", e_times, tokens, fpt, peak))
-    model = fresh()
-    t0 = time.perf_counter()
-    compiled = torch.compile(model, backend=ctx.compile_backend)
-    c_times, first["compiled"] = _loop(compiled, data, dev, warmup, steps)
-    extra["compile_and_warmup_s"] = time.perf_counter() - t0 - sum(c_times)
-    del compiled, model
-    _free(ctx)
-    rows.append(_row("compiled", c_times, tokens, fpt, peak))
+    first: dict[str, float] = {}
+    extra: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
 
-    eager_ms = rows[1]["median_ms"]
+    def trainer() -> None:
+        times["trainer"], first["trainer"], extra["trainer_setup_s"] = _trainer(
+            ctx, config, seq, batch, weights, warmup, steps)
+
+    def eager() -> None:
+        times["eager"], first["eager"] = _loop(fresh(), data, dev, warmup, steps)
+
+    def compiled() -> None:
+        model = fresh()
+        t0 = time.perf_counter()
+        fn = torch.compile(model, backend=ctx.compile_backend)
+        times["compiled"], first["compiled"] = _loop(fn, data, dev, warmup, steps)
+        extra["compile_and_warmup_s"] = time.perf_counter() - t0 - sum(times["compiled"])
+
+    errors = _run_modes({"trainer": trainer, "eager": eager, "compiled": compiled}, ctx)
+    rows = [_row(m, t, tokens, fpt, peak) for m, t in times.items()]
+    eager_ms = times and "eager" in times and rows[[r["mode"] for r in rows].index("eager")]
     for row in rows:
-        row["over_eager"] = row["median_ms"] / eager_ms
-    ratio = rows[0]["over_eager"]
-    loss_err = {m: abs(v - first["eager"]) / abs(first["eager"]) for m, v in first.items()}
-    ok = all(math.isfinite(v) for v in first.values()) and max(loss_err.values()) <= LOSS_TOL
+        row["over_eager"] = row["median_ms"] / eager_ms["median_ms"] if eager_ms else None
+    ratio = rows[0]["over_eager"] if rows and rows[0]["mode"] == "trainer" else None
+    loss_err = ({m: abs(v - first["eager"]) / abs(first["eager"]) for m, v in first.items()}
+                if "eager" in first else {})
+    ok = (not errors and all(math.isfinite(v) for v in first.values())
+          and max(loss_err.values(), default=math.inf) <= LOSS_TOL)
     figures = {"model": config, "parameters": params, "seq": seq, "micro_batch": batch,
                "tokens_per_step": tokens, "flops_per_token": fpt,
                "flop_formula": "6*N + 12*L*d*T (N: parameters without the input embedding)",
                "peak_tflops": peak, "rows": rows, "first_loss": first,
                "first_loss_rel_err": loss_err, "loss_tolerance": LOSS_TOL,
-               "trainer_over_eager": ratio, "goal": GOAL, "goal_met": ratio <= GOAL,
-               "warmup": warmup, "compile_backend": ctx.compile_backend, **extra, "table": _table(rows, params, seq, batch, peak)}
-    line = (f"Llama {_count(params)} bf16 sdpa, seq {seq}, batch {batch}: trainer "
-            f"{rows[0]['tokens_per_s']:.0f} tok/s, eager {rows[1]['tokens_per_s']:.0f}, "
-            f"compiled ({ctx.compile_backend}) {rows[2]['tokens_per_s']:.0f}; ours/eager {ratio:.3f} (goal "
-            f"<= {GOAL}: {'met' if ratio <= GOAL else 'not met'}); MFU "
-            + (f"{rows[0]['mfu']:.1%}/{rows[1]['mfu']:.1%}/{rows[2]['mfu']:.1%}"
-               if peak else "n/a")
-            + f"; first losses {first['trainer']:.4f}/{first['eager']:.4f}/"
-              f"{first['compiled']:.4f} (tol {LOSS_TOL})")
+               "trainer_over_eager": ratio, "goal": GOAL,
+               "goal_met": None if ratio is None else ratio <= GOAL, "errors": errors,
+               "warmup": warmup, "compile_backend": ctx.compile_backend, **extra,
+               "table": _table(rows, params, seq, batch, peak)}
+    speeds = ", ".join(f"{r['mode']} {r['tokens_per_s']:.0f}" for r in rows)
+    line = f"Llama {_count(params)} bf16 sdpa, seq {seq}, batch {batch}: tok/s {speeds or 'none'}"
+    line += f" (compile backend {ctx.compile_backend})"
+    if ratio is not None:
+        line += f"; ours/eager {ratio:.3f} (goal <= {GOAL}: {'met' if ratio <= GOAL else 'not met'})"
+    if peak and rows:
+        line += "; MFU " + "/".join(f"{r['mfu']:.1%}" for r in rows)
+    line += "; first losses " + "/".join(f"{v:.4f}" for v in first.values()) + f" (tol {LOSS_TOL})"
+    if errors:
+        line += "; " + "; ".join(f"{m}: {e}" for m, e in errors.items())
     return [Result("PASS" if ok else "FAIL", "throughput", line, figures)]
+
+
+def _run_modes(modes: dict[str, Any], ctx: Context) -> dict[str, str]:
+    """Run each mode; one that raises is recorded and the next runs, but a timeout (the
+    check's limit, already spent) ends the check with what was measured so far."""
+    import traceback
+
+    errors: dict[str, str] = {}
+    for name, fn in modes.items():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the other modes still run
+            timeout = timeout_in(e)
+            if timeout is not None:
+                errors[name] = f"CheckTimeout: {timeout}"
+                break
+            traceback.print_exc()
+            text = str(e).strip().splitlines()
+            errors[name] = f"{type(e).__name__}: {text[0][:300] if text else ''}"
+        finally:
+            _free(ctx)
+    return errors
 
 
 def _count(params: int) -> str:
