@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -134,7 +135,12 @@ def _trainer(ctx: Context, config: dict[str, Any], seq: int, batch: int, weights
     )
     t0 = time.perf_counter()
     trainer = Trainer(train_args=args)
-    trainer.run()
+    with warnings.catch_warnings():
+        # under trace_strategy='meta' the Trainer also loads tracing_from_weights into the
+        # module it builds on the meta device, where torch warns once per parameter that
+        # the copy does nothing; the module it trains is built again with the weights
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
+        trainer.run()
     setup = (ends[0] if ends else time.perf_counter()) - t0
     # step k's time: from step k-1's end to step k's end; the first `warmup` left out
     times = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
