@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the checks beside this file
 
-from _common import REPO, CheckTimeout, Context, Result  # noqa: E402
+from gpu_common import REPO, CheckTimeout, Context, Result  # noqa: E402
 
 #: Packages a check needs beyond torch, pluggy, attrs, pyyaml and networkx (which the
 #: project cannot run without), and what their absence costs.
@@ -167,8 +167,8 @@ class Check:
 
 
 def all_checks() -> list[Check]:
-    from checks import autodist_estimate, cuda_tests, measure_peak_check, parity, quickstart
-    from throughput import throughput
+    from gpu_checks import autodist_estimate, cuda_tests, measure_peak_check, parity, quickstart
+    from gpu_throughput import throughput
 
     return [
         Check("cuda-tests", cuda_tests, 60, 120, needs=("pytest",)),

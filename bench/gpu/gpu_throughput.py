@@ -35,8 +35,8 @@ import warnings
 from typing import Any
 
 import torch
-from _common import Context, Result, timeout_in
-from checks import LlamaLM, device_of, sync, time_steps, token_batch
+from gpu_checks import LlamaLM, device_of, sync, time_steps, token_batch
+from gpu_common import Context, Result, timeout_in
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
@@ -53,7 +53,7 @@ LOSS_TOL = 1e-2
 
 class TokenWindows:
     """A dataset of ``n`` random token rows, row ``i`` fixed by its index, so that the
-    Trainer's first (unshuffled) batch is :func:`checks.token_batch`'s."""
+    Trainer's first (unshuffled) batch is :func:`gpu_checks.token_batch`'s."""
 
     def __init__(self, vocab: int, seq: int, n: int, batch: int) -> None:
         self.data = [token_batch(vocab, batch, seq, seed=k) for k in range(n // batch)]

@@ -1,6 +1,6 @@
-"""The checks of ``bench/gpu/check.py`` but the throughput table (``throughput.py``).
+"""The checks of ``bench/gpu/check.py`` but the throughput table (``gpu_throughput.py``).
 
-Each check takes the :class:`check.Context` and returns its result lines. Sizes are
+Each check takes the :class:`gpu_common.Context` and returns its result lines. Sizes are
 small on CPU (the test suite runs them on 2 cores) and larger on CUDA, where they are
 still chosen to finish in seconds.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import REPO, Context, Result, timeout_in
+from gpu_common import REPO, Context, Result, timeout_in
 from torch import nn
 
 # -- models and batches -----------------------------------------------------------------
