@@ -106,18 +106,16 @@ def register_plugins(workdir: Path) -> str:
     on ``sys.path`` and ``PYTHONPATH`` (so subprocesses see them too). Returns how the
     plugins were found."""
     pyprojects = sorted(REPO.glob("plugins/*/pyproject.toml"))
-    installed = []
+    absent = []
     for pyproject in pyprojects:
-        name = _project(pyproject)["name"]
         try:
-            importlib.metadata.distribution(name)
-            installed.append(name)
+            importlib.metadata.distribution(_project(pyproject)["name"])
         except importlib.metadata.PackageNotFoundError:
-            pass
-    if len(installed) == len(pyprojects):
+            absent.append(pyproject)
+    if not absent:
         return "installed"
     site = workdir / "entry-points"
-    written = [n for p in pyprojects if (n := _dist_info(site, p)) and n not in installed]
+    written = [n for p in absent if (n := _dist_info(site, p))]
     sys.path.insert(0, str(site))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(site), str(REPO)] + [str(p.parent) for p in pyprojects]
