@@ -179,15 +179,23 @@ def all_checks() -> list[Check]:
     ]
 
 
-def run_check(check: Check, ctx: Context, scale: float) -> list[Result]:
-    """Run one check under its limit; a raise or a timeout is a FAIL line."""
+#: Seconds a check is given at least; with less of the run's budget left it does not start.
+MIN_LIMIT = 10.0
+
+
+def run_check(check: Check, ctx: Context, scale: float, left: float) -> list[Result]:
+    """Run one check under its limit (never past ``left``, what remains of the run's
+    budget); a raise or a timeout is a FAIL line."""
     missing = [p for p in check.needs if p in ctx.missing]
     names = check.names or (check.name,)
     if missing:
         return [Result("SKIP", n, f"needs {', '.join(missing)}, not installed "
                                   f"(carry its wheel: bench/README.md, 'GPU check')")
                 for n in names]
-    limit = (check.limit_cuda if ctx.cuda else check.limit_cpu) * scale
+    limit = min((check.limit_cuda if ctx.cuda else check.limit_cpu) * scale, left)
+    if left < MIN_LIMIT:
+        return [Result("FAIL", n, f"not run: {left:.0f} s of the run's budget (--budget) "
+                                  f"left") for n in names]
     t0 = time.perf_counter()
     try:
         with time_limit(limit):
@@ -256,6 +264,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "when $OUT is set, else nowhere)")
     parser.add_argument("--limit-scale", type=float, default=1.0,
                         help="multiply every check's time limit by this")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds for all the checks together (default 540, so that a "
+                             "10-minute call ends with its report); a check gets at most "
+                             "what is left")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak for MFU (default: from the GPU's "
                              "name; H100 SXM and H200 989.4)")
@@ -306,15 +318,32 @@ def main(argv: list[str] | None = None) -> int:
           + f": torch {env['torch']}, python {env['python']}; plugins {plugins}")
     for pkg, why in missing.items():
         print(f"missing package {pkg}: {why}")
+    out = ns.json or (os.path.join(os.environ["OUT"], "gpu_check.json")
+                      if os.environ.get("OUT") else None)
     results: list[Result] = []
     t0 = time.perf_counter()
+
+    def report() -> dict[str, int]:
+        """The counts so far; the JSON rewritten (after every check: a run stopped from
+        outside still leaves the figures of the checks that ended)."""
+        counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+        if out:
+            write_json(Path(out), {
+                "environment": env, "missing": missing, "plugins": plugins,
+                "wall_seconds": round(time.perf_counter() - t0, 1), "summary": counts,
+                "checks": [{"name": r.name, "status": r.status, "line": r.line,
+                            "seconds": r.seconds, "figures": r.figures} for r in results]})
+        return counts
+
     try:
         for check in checks:
             if only and check.name not in only:
                 continue
-            for r in run_check(check, ctx, ns.limit_scale):
+            left = ns.budget - (time.perf_counter() - t0)
+            for r in run_check(check, ctx, ns.limit_scale, left):
                 print(r.text(), flush=True)
                 results.append(r)
+            report()
     finally:
         if not ns.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -322,17 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     table = next((r.figures.get("table") for r in results if r.name == "throughput"), None)
     if table:
         print(table)
-    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    counts = report()
     print(f"summary: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} "
           f"skipped in {wall:.1f} s on {device}" + (f" ({name})" if name else ""))
-    data = {"environment": env, "missing": missing, "plugins": plugins,
-            "wall_seconds": round(wall, 1), "summary": counts,
-            "checks": [{"name": r.name, "status": r.status, "line": r.line,
-                        "seconds": r.seconds, "figures": r.figures} for r in results]}
-    out = ns.json or (os.path.join(os.environ["OUT"], "gpu_check.json")
-                      if os.environ.get("OUT") else None)
     if out:
-        write_json(Path(out), data)
         print(f"figures written to {out}")
     return 1 if counts["FAIL"] else 0
 

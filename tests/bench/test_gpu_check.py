@@ -146,3 +146,16 @@ def test_plugins_of_the_source_tree_get_their_entry_points(tmp_path, monkeypatch
     assert points == {"ops_flash_attn": "nnscaler_ops_flash_attn.plugin",
                       "policy_autodist": "nnscaler_policy_autodist.plugin",
                       "megatron": "nnscaler_policy_megatron.plugin"}
+
+
+def test_a_check_that_the_budget_cannot_fit_does_not_start(monkeypatch, capsys, tmp_path):
+    for var in ("NNSCALER_DEVICE", "NNSCALER_CACHE_DIR", "PYTHONPATH"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+    monkeypatch.setattr(check, "all_checks", lambda: [
+        check.Check("first", _fake("PASS"), 60, 60), check.Check("second", _fake("PASS"), 60, 60)])
+    out = tmp_path / "f.json"
+    assert check.main(["--device", "cpu", "--budget", "5", "--json", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"FAIL first: not run: [\d.]+ s of the run's budget \(--budget\) left",
+                    lines[1]), lines
+    assert json.loads(out.read_text())["summary"] == {"PASS": 0, "FAIL": 2, "SKIP": 0}
