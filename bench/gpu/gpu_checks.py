@@ -7,6 +7,7 @@ still chosen to finish in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -147,7 +148,8 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
 
