@@ -23,8 +23,9 @@ Checks (see bench/README.md, "GPU check", for what each figure means):
   2048 (tiny on CPU) through the Trainer (a plan of one device), against a plain PyTorch
   loop and ``torch.compile`` of that loop on the same model and batch.
 
-Each check runs under a time limit (``--limit-scale`` stretches them all); the whole GPU
-run is meant to take under 8 minutes on one H100.
+Each check runs under a time limit (``--limit-scale`` stretches them all), and all under
+one budget (``--budget``, 540 s), so that a 10-minute call on a lent GPU ends with its
+report; the whole GPU run is meant to take about 5 minutes on one H100.
 """
 
 from __future__ import annotations
