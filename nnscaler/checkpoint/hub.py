@@ -154,27 +154,50 @@ def load_pretrained(module: torch.nn.Module, path: str | os.PathLike[str], *,
 
 
 def load_resharded(module: torch.nn.Module,
-                   files: Sequence[str | os.PathLike[str] | Mapping[str, Any]], *,
-                   strict: bool = True) -> None:
+                   files: Sequence[str | os.PathLike[str] | Mapping[str, Any]],
+                   optimizer: torch.optim.Optimizer | None = None,
+                   optimizer_files: Sequence[str | os.PathLike[str] | Mapping[str, Any]]
+                   | None = None, *, strict: bool = True) -> None:
     """Load the per-rank (or deduped) state-dict files of a model saved under any plan
     into ``module`` (the same model under another plan); every rank calls it with the
     list of every saved rank's file.
 
     The files are memory-mapped and each rank reads only the pieces that overlap its own
     (replicas once, value parts summed): no rank merges the whole model. Names and shapes
-    are checked first, as in :func:`load_pretrained`. Only the module's state is loaded;
-    optimizer state moves through :func:`nnscaler.merge_state_dicts`."""
+    are checked first, as in :func:`load_pretrained`.
+
+    With ``optimizer`` (built over ``module``, e.g. by :func:`nnscaler.build_optimizer`)
+    and ``optimizer_files`` (every saved rank's ``optimizer.state_dict()``, in the order of
+    ``files``), the optimizer state moves too, with or without ZeRO on either side: each
+    rank reads only the slices of the elementwise state (Adam's ``exp_avg``,
+    ``exp_avg_sq``, ...) of the pieces it holds; scalars (``step``) and the groups'
+    hyperparameters are taken as :func:`nnscaler.load_merged_state_dicts` takes them from
+    a merged checkpoint, with the same result. Everything (a missing rank, state that is
+    not elementwise, another optimizer class) is checked on every rank before anything is
+    loaded: a :class:`~nnscaler.errors.CheckpointError` leaves module and optimizer as
+    they were."""
+    from nnscaler.checkpoint.optimizer_reshard import OptimizerFilesSource, plan_optimizer
+
     error: BaseException | None = None
     source: RankFilesSource | None = None
+    plan = None
     try:
+        if (optimizer is None) != (optimizer_files is None):
+            raise CheckpointError("load_resharded: pass both optimizer and optimizer_files "
+                                  "(every saved rank's optimizer state dict), or neither")
         source = RankFilesSource(files)
         source.catalog.check_complete(
             "pass the file of every rank of the saved plan, each saved after the same step")
+        if optimizer is not None and optimizer_files is not None:
+            plan = plan_optimizer(module, optimizer,
+                                  OptimizerFilesSource(optimizer_files, source.sds))
     except CheckpointError as e:
         error = e
     agree(error, "load_resharded")
     source = cast(RankFilesSource, source)
     load_into(module, source, lambda n: n, what="load_resharded", strict=strict)
+    if plan is not None and optimizer is not None:
+        optimizer.load_state_dict(plan.local_state())
 
 
 # -- exporting --------------------------------------------------------------------------------
