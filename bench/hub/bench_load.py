@@ -17,6 +17,15 @@ the whole process (imports, tracing, code generation, loading, the forward), and
     python bench/hub/bench_load.py               # the 1.2 B model (needs ~12 GB of disk)
     python bench/hub/bench_load.py --layers 2 --hidden 256 --vocab 1024   # a quick run
     python bench/hub/bench_load.py --reshard     # also tp on 4 -> files -> pp on 2
+    python bench/hub/bench_load.py --reshard --only-reshard   # just that
+
+``--reshard``: ``tp`` on 4 ranks (built for training) loads the folder, gets an Adam
+optimizer whose state is filled deterministically (``exp_avg = 0.1 * p``,
+``exp_avg_sq = p * p``, ``step = 3``; filled, saved and dropped one rank at a time, so the
+4 ranks never hold all of it at once) and saves its per-rank model and optimizer files;
+then ``pp`` on 2 ranks loads both with ``nnscaler.load_resharded(pm, files, optimizer,
+optimizer_files)``. Its load peak is printed as a ratio of the model plus Adam's state
+(3x the model's size), and its optimizer state is checked against the formulas above.
 
 Not part of the test suite.
 """
@@ -87,8 +96,9 @@ class WithLoss(torch.nn.Module):
         return out.loss, out.logits
 
 
-def build(args: argparse.Namespace, gen: str, policy: str, world: int):
-    """The meta-built model, parallelized (no weights anywhere yet)."""
+def build(args: argparse.Namespace, gen: str, policy: str, world: int, train: bool = False):
+    """The meta-built model, parallelized (no weights anywhere yet); ``train``: built for
+    training (an optimizer can be made for it)."""
     import transformers
 
     import nnscaler
@@ -98,20 +108,45 @@ def build(args: argparse.Namespace, gen: str, policy: str, world: int):
         model = WithLoss(transformers.LlamaForCausalLM(config(args)))
     cfg = nnscaler.ComputeConfig(plan_ngpus=world, runtime_ngpus=world, trace_strategy="meta",
                                  use_end2end=True, pas_config={"pipeline_nmicros": 1},
-                                 inference_only=True)
+                                 inference_only=not train)
     return nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
-                                init_module_params=False, instance_name=f"{policy}{world}")
+                                init_module_params=False,
+                                instance_name=f"{policy}{world}{'t' if train else ''}")
+
+
+def fill_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's state as after some steps, deterministic in the parameters (so that
+    another plan can check what it loaded)."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = {"step": torch.tensor(3.0), "exp_avg": p * 0.1,
+                                      "exp_avg_sq": p * p}
+
+
+def check_adam(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            assert float(st["step"]) == 3.0
+            assert torch.equal(st["exp_avg"], p.detach() * 0.1)
+            assert torch.equal(st["exp_avg_sq"], p.detach() * p.detach())
 
 
 def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: str,
-             policy: str, files: list[str] | None = None) -> dict:
+             policy: str, files: list[str] | None = None, train: bool = False) -> dict:
     """Load into ``policy`` on ``world`` ranks: from the Hub folder, or (``files``) from
-    another plan's per-rank files with load_resharded; measure, check the logits."""
+    another plan's per-rank files with load_resharded (``train``: with Adam's state);
+    measure, check the logits."""
+    import torch.distributed as dist
+
     import nnscaler
 
-    pm = build(args, gen, policy, world)
+    pm = build(args, gen, policy, world, train)
     held = sum(t.numel() * t.element_size() for t in pm.state_dict().values()
                if isinstance(t, torch.Tensor))
+    opt = nnscaler.build_optimizer(pm, torch.optim.Adam, lr=1e-4) if train else None
+    opt_files = None if files is None else [f.replace("_rank", "_opt") for f in files]
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
@@ -119,10 +154,16 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
     if files is None:
         nnscaler.load_pretrained(pm, folder)
     else:
-        nnscaler.load_resharded(pm, files)
+        nnscaler.load_resharded(pm, files, opt, opt_files if train else None)
     seconds = time.perf_counter() - start
     load_peak = status("VmHWM")
-    out = pm.infer_step([batch()])[0] if pm.pipeline is not None else pm(batch())
+    held_opt = 0
+    if opt is not None and files is not None:
+        check_adam(opt)
+        held_opt = sum(v.numel() * v.element_size() for st in opt.state.values()
+                       for v in st.values())
+    with torch.no_grad():
+        out = pm.infer_step([batch()])[0] if pm.pipeline is not None else pm(batch())
     ref = torch.load(os.path.join(folder, "reference_logits.pt"))
     scale = float(ref.abs().max())
     # rtol 1e-5, and an atol of 1e-5 of the logits' scale for the entries near zero (a
@@ -130,7 +171,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
     torch.testing.assert_close(out[1], ref, rtol=1e-5, atol=1e-5 * scale)
     if args.reshard and policy == "tp" and world == 4:  # the files pp on 2 reshards
         nnscaler.checkpoint.save(pm.state_dict(), os.path.join(gen, f"tp4_rank{rank}.pt"))
-    return {"held": held, "rss_before_load": before, "load_peak": load_peak,
+        for r in range(world):  # one rank at a time holds Adam's state
+            if r == rank and opt is not None:
+                fill_adam(opt)
+                nnscaler.checkpoint.save(opt.state_dict(), os.path.join(gen, f"tp4_opt{rank}.pt"))
+                opt.state.clear()
+            dist.barrier()
+    return {"held": held, "held_opt": held_opt, "rss_before_load": before, "load_peak": load_peak,
             "peak": status("VmHWM"), "seconds": seconds,
             "max_diff": float((out[1] - ref).abs().max()), "scale": scale}
 
@@ -143,7 +190,9 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--reshard", action="store_true",
                         help="also: tp on 4 ranks saves per-rank files, pp on 2 ranks loads "
-                             "them with load_resharded")
+                             "them with load_resharded, with Adam's state")
+    parser.add_argument("--only-reshard", action="store_true",
+                        help="with --reshard: skip the tp 2 and pp 2 loads from the folder")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     root = tempfile.mkdtemp(prefix="bench_hub_", dir=args.dir)
@@ -155,9 +204,10 @@ def main() -> None:
             nbytes = sum(p.numel() * 4 for p in
                          transformers.LlamaForCausalLM(config(args)).parameters())
         free = shutil.disk_usage(root).free
-        if free < 2.5 * nbytes:
+        need = (4.5 if args.reshard else 2.5) * nbytes  # the folder, the files, Adam's
+        if free < need:
             print(f"skipped: {free / 1e9:.1f} GB free in {root}, the model needs "
-                  f"{2.5 * nbytes / 1e9:.1f} GB")
+                  f"{need / 1e9:.1f} GB")
             return
         start = time.perf_counter()
         child = mp.get_context("spawn").Process(target=save_model, args=(args, folder))
@@ -169,17 +219,19 @@ def main() -> None:
               f"saved by transformers in {time.perf_counter() - start:.0f} s")
         from nnscaler.testing import run_distributed
 
-        runs = [("tp", 2, None), ("pp", 2, None)]
+        runs = [] if args.reshard and args.only_reshard else [("tp", 2, None), ("pp", 2, None)]
         if args.reshard:  # tp on 4 saves its files, pp on 2 reads them without a merge
             files = [os.path.join(gen, f"tp4_rank{r}.pt") for r in range(4)]
             runs += [("tp", 4, None), ("pp", 2, files)]
         report: dict = {"model_bytes": nbytes, "memory": "VmHWM", "runs": {}}
         for policy, world, files in runs:
-            results = run_distributed(run_rank, world, args, folder, gen, policy, files,
+            train = args.reshard and (world == 4 or files is not None)
+            results = run_distributed(run_rank, world, args, folder, gen, policy, files, train,
                                       timeout=3600)
-            what = f"{policy}{world}" + (" load_resharded from tp4's files" if files else "")
-            report["runs"][what] = [{k: r[k] for k in ("held", "load_peak", "peak", "seconds")}
-                                    for r in results]
+            what = f"{policy}{world}" + (" load_resharded (model + Adam) from tp4's files"
+                                         if files else "")
+            report["runs"][what] = [{k: r[k] for k in ("held", "held_opt", "load_peak", "peak",
+                                                       "seconds")} for r in results]
             for rank, r in enumerate(results):
                 print(f"{what} rank {rank}: holds {r['held'] / 1e9:.2f} GB "
                       f"({r['held'] / nbytes:.2f}x); VmHWM whole process "
@@ -189,6 +241,13 @@ def main() -> None:
                       f"before it); load {r['seconds']:.1f} s; logits: max |diff| "
                       f"{r['max_diff']:.1e} "
                       f"(max |logit| {r['scale']:.2f})")
+                if files:
+                    total = 3 * nbytes  # the model, exp_avg and exp_avg_sq
+                    print(f"{what} rank {rank}: holds {(r['held'] + r['held_opt']) / 1e9:.2f} GB "
+                          f"of model + Adam state ({(r['held'] + r['held_opt']) / total:.2f}x "
+                          f"of {total / 1e9:.2f} GB); during the load "
+                          f"{r['load_peak'] / 1e9:.2f} GB (**{r['load_peak'] / total:.2f}x**); "
+                          f"optimizer state checked")
         print(json.dumps(report))
     finally:
         shutil.rmtree(root, ignore_errors=True)
