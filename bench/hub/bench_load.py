@@ -96,9 +96,10 @@ class WithLoss(torch.nn.Module):
         return out.loss, out.logits
 
 
-def build(args: argparse.Namespace, gen: str, policy: str, world: int, train: bool = False):
-    """The meta-built model, parallelized (no weights anywhere yet); ``train``: built for
-    training (an optimizer can be made for it)."""
+def build(args: argparse.Namespace, gen: str, policy: str, world: int):
+    """The meta-built model, parallelized (no weights anywhere yet). Built for inference
+    (no gradient buffers: what a rank holds is its parameters, and the optimizer state
+    when one is built over them)."""
     import transformers
 
     import nnscaler
@@ -108,10 +109,9 @@ def build(args: argparse.Namespace, gen: str, policy: str, world: int, train: bo
         model = WithLoss(transformers.LlamaForCausalLM(config(args)))
     cfg = nnscaler.ComputeConfig(plan_ngpus=world, runtime_ngpus=world, trace_strategy="meta",
                                  use_end2end=True, pas_config={"pipeline_nmicros": 1},
-                                 inference_only=not train)
+                                 inference_only=True)
     return nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
-                                init_module_params=False,
-                                instance_name=f"{policy}{world}{'t' if train else ''}")
+                                init_module_params=False, instance_name=f"{policy}{world}")
 
 
 def fill_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -142,10 +142,11 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
 
     import nnscaler
 
-    pm = build(args, gen, policy, world, train)
+    pm = build(args, gen, policy, world)
     held = sum(t.numel() * t.element_size() for t in pm.state_dict().values()
                if isinstance(t, torch.Tensor))
-    opt = nnscaler.build_optimizer(pm, torch.optim.Adam, lr=1e-4) if train else None
+    # torch's Adam over the module's tensors (build_optimizer refuses inference-only modules)
+    opt = torch.optim.Adam(pm.parameters_for_optimizer(), lr=1e-4) if train else None
     opt_files = None if files is None else [f.replace("_rank", "_opt") for f in files]
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
