@@ -241,23 +241,29 @@ class Checkpointer:
         return state, state["rng_states"]
 
     def _load_resharded(self, folder: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        """Another world size or plan: the merged state, cut into this plan's pieces; the
-        RNG states only when the world size is the same."""
+        """Another world size or plan: per-rank (sharded or deduped) files are read
+        memory-mapped, each rank taking only the pieces and optimizer slices of its own
+        plan (``load_resharded``); a merged file is cut into this plan's pieces. The RNG
+        states only when the world size is the same."""
         from nnscaler import checkpoint as ck
 
         t = self.trainer
         if meta["save_type"] == "merged":
             state = ck.load(folder / layout.MERGED_FILE, map_location="cpu")
-            merged, merged_opt = state["model"], state["optimizer"]
             rngs = state["rng_states"]
+            ck.load_merged_state_dicts(t.model, state["model"], t.optimizer, state["optimizer"])
         else:
-            states = [ck.load(layout.rank_file(folder, r), map_location="cpu")
+            states = [ck.load(layout.rank_file(folder, r), map_location="cpu", mmap=True)
                       for r in range(meta["world_size"])]
-            merged, merged_opt = ck.merge_state_dicts([s["model"] for s in states],
-                                                      [s["optimizer"] for s in states])
             rngs = [s["rng_states"] for s in states]
             state = states[0]
-        ck.load_merged_state_dicts(t.model, merged, t.optimizer, merged_opt)
+            if _over_parallel_modules(t.model, t.optimizer):
+                ck.load_resharded(t.model, [s["model"] for s in states], t.optimizer,
+                                  [s["optimizer"] for s in states])
+            else:  # tensors outside the parallel modules: through the merged state
+                merged, merged_opt = ck.merge_state_dicts([s["model"] for s in states],
+                                                          [s["optimizer"] for s in states])
+                ck.load_merged_state_dicts(t.model, merged, t.optimizer, merged_opt)
         rng = rngs[t.rank] if meta["world_size"] == t.world_size else None
         if rng is None:
             logger.warning("The checkpoint was saved by %d ranks, this job has %d: random "
@@ -295,3 +301,15 @@ class Checkpointer:
         if self.pending_rng is not None:
             layout.set_rng_states(self.pending_rng)
             self.pending_rng = None
+
+
+def _over_parallel_modules(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the model holds parallel modules and the optimizer updates only their
+    tensors (what ``load_resharded`` moves without a merge)."""
+    from nnscaler.checkpoint.optimizer import parallel_modules, tensor_entries
+
+    pms = [pm for _, pm in parallel_modules(model)]
+    if not pms:
+        return False
+    entries = tensor_entries(pms)
+    return all(id(p) in entries for g in optimizer.param_groups for p in g["params"])

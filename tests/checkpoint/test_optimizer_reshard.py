@@ -4,10 +4,10 @@ optimizer_files)``.
 Two saved plans on 2 processes, each trained 2 steps with Adam (2 batches a step): ``tp``
 (one scale unit, the batches as micro-batches) and ``dp`` with ZeRO (one batch per scale
 unit). Each is loaded into other plans on 2 processes (``tp`` into ``pp`` and into ``dp`` +
-ZeRO, ZeRO's into ``tp``): module and optimizer state equal, exactly, what
-``merge_state_dicts`` + ``load_merged_state_dicts`` give, and one more step gives the
-losses, weights and optimizer state of one more step on the saved plan (rtol 1e-5). Bad
-files are refused on every rank, nothing loaded.
+ZeRO, ZeRO's into ``tp``, ZeRO's deduped files into ``pp``): module and optimizer state
+equal, exactly, what ``merge_state_dicts`` + ``load_merged_state_dicts`` give, and one
+more step gives the losses, weights and optimizer state of one more step on the saved
+plan (rtol 1e-5). Bad files are refused on every rank, nothing loaded.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def _train_and_save(rank, world, directory, name):
     run_parallel(pm, opt, PHASE1, rank, micro=micro)
     ck.save(pm.state_dict(), rank_file(directory, f"{name}_model", rank))
     ck.save(opt.state_dict(), rank_file(directory, f"{name}_opt", rank))
+    sd, osd = ck.deduped_state_dict(pm, opt)  # each piece and its state on one rank
+    ck.save(sd, rank_file(directory, f"{name}-dedup_model", rank))
+    ck.save(osd, rank_file(directory, f"{name}-dedup_opt", rank))
     losses = run_parallel(pm, opt, PHASE2, rank, micro=micro)
     return losses, pm.state_dict(), opt.state_dict()
 
@@ -107,10 +110,12 @@ def _reshard(rank, world, directory, saved, target):
     return losses, pm.state_dict(), opt.state_dict()
 
 
-@pytest.mark.parametrize("saved_plan,target", [("tp", "pp"), ("tp", "zero"), ("zero", "tp")])
+@pytest.mark.parametrize("saved_plan,target", [("tp", "pp"), ("tp", "zero"), ("zero", "tp"),
+                                               ("zero-dedup", "pp")])
 def test_resharded_optimizer_equals_the_merge_path_and_continues(saved, saved_plan, target):
     directory, runs = saved
     results = run_distributed(_reshard, 2, directory, saved_plan, target)
+    saved_plan = saved_plan.split("-")[0]
     want = runs[saved_plan]
     micro = PLANS[target][3]
     flat_want = [x for row in want["losses"][0] for x in row] if PLANS[saved_plan][3] else \
