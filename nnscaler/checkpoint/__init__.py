@@ -12,8 +12,8 @@ module's state dict; loaded into a parallel module of the same or any other plan
 - :func:`track_optimizer`: optimizer state dicts that say which tensor each entry is;
 - :func:`load_pretrained` / :func:`save_pretrained`: Hugging Face Hub-format safetensors
   folders in and out, each rank reading only its slices (``docs/pretrained.md``);
-- :func:`load_resharded`: per-rank files of one plan into another plan, each rank reading
-  only the pieces it needs.
+- :func:`load_resharded`: per-rank files of one plan (module and optimizer) into another
+  plan, each rank reading only the pieces it needs.
 
 See ``docs/checkpoint.md``.
 """

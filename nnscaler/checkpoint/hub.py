@@ -7,7 +7,7 @@ checkpoint into another plan, each rank reading only the pieces it holds.
 - :func:`save_pretrained`: a parallel module (collective) or its per-rank checkpoint files
   into such a folder, tensor by tensor;
 - :func:`load_resharded`: per-rank checkpoint files saved under one plan into a module of
-  another plan, without merging them;
+  another plan, and its optimizer (:mod:`.optimizer_reshard`), without merging them;
 - :func:`meta_parameters`: build a model whose parameters are on the meta device and
   whose buffers have their values (what :func:`load_pretrained` fills).
 
