@@ -148,8 +148,11 @@ class OptimizerFilesSource:
         for r, osd in enumerate(self.osds):
             try:
                 self._add_rank(r, osd)
-            except CheckpointError as e:
-                raise type(e)(f"{WHAT}: {self.where[r]}: {e}") from e
+            except CheckpointError as e:  # say which file
+                text = str(e).removeprefix(f"{WHAT}: ")
+                if self.where[r] in text:
+                    raise
+                raise type(e)(f"{WHAT}: {self.where[r]}: {text}") from e
         self._add_zero_shards()
 
     # -- describing the saved state (metadata and scalars only) --------------------------
