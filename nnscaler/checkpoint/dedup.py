@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.checkpoint.collective import agree, gather, world
 from nnscaler.checkpoint.errors import CheckpointError
 from nnscaler.checkpoint.merge import owned_by
 from nnscaler.checkpoint.optimizer import (
@@ -51,32 +52,6 @@ __all__ = ["deduped_state_dict", "load_deduped_state_dict"]
 _DEDUP_FIX = ("Load the deduped state dicts of this model and plan, each rank its own (every "
               "rank calls load_deduped_state_dict); to change the plan, merge them with "
               "nnscaler.merge_state_dicts and load with nnscaler.load_merged_state_dicts.")
-
-
-def _world() -> tuple[bool, int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return True, dist.get_rank(), dist.get_world_size()
-    return False, 0, 1
-
-
-def _gather(obj: Any) -> list[Any]:
-    distributed, _, world = _world()
-    if not distributed:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank if any rank failed (so none waits forever)."""
-    messages = _gather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
 
 
 def _compact(t: Any) -> Any:
@@ -145,12 +120,12 @@ def deduped_state_dict(
         for i, ident in _optimizer_ids(osd):
             if ident is not None:  # a tensor of no parallel module: kept on every rank
                 removers[ident] = lambda i=i: state.pop(i, None)
-    held = _gather(sorted(removers))
+    held = gather(sorted(removers))
     owner: dict[str, int] = {}
     for r, idents in enumerate(held):
         for ident in idents:
             owner.setdefault(ident, r)
-    _, rank, _ = _world()
+    _, rank, _ = world()
     for ident, remove in removers.items():
         if owner[ident] != rank:
             remove()
@@ -179,7 +154,7 @@ def _exchange(plan: list[tuple[int, int, str]], have: Mapping[str, torch.Tensor]
               specs: Mapping[str, tuple[list[int], str]]) -> dict[str, torch.Tensor]:
     """Point-to-point: for each ``(src, dst, id)`` the source sends its tensor ``id``
     (as raw bytes); returns what this rank received."""
-    distributed, rank, _ = _world()
+    distributed, rank, _ = world()
     if not distributed or not plan:
         return {}
     device = _comm_device()
@@ -408,17 +383,17 @@ def load_deduped_state_dict(
         restore = _Restore(module, pms, module_state_dict, optimizer, optimizer_state_dict)
     except CheckpointError as e:
         error = e
-    _agree(error, "load_deduped_state_dict")
+    agree(error, "load_deduped_state_dict")
     if restore is None:  # unreachable: _agree raised
         raise CheckpointError("internal error: load_deduped_state_dict has nothing to load")
-    catalogs = _gather(restore.catalog)
+    catalogs = gather(restore.catalog)
     wanted: list[str] = []
     try:
         wanted = restore.needs(catalogs)
     except CheckpointError as e:
         error = e
-    _agree(error, "load_deduped_state_dict")
-    requests = _gather([(restore.sources[i], i) for i in wanted])
+    agree(error, "load_deduped_state_dict")
+    requests = gather([(restore.sources[i], i) for i in wanted])
     plan = [(src, dst, ident) for dst, reqs in enumerate(requests) for src, ident in reqs]
     specs = {ident: catalogs[src][ident][1:3] for src, _, ident in plan}
     restore.fill(_exchange(plan, restore.tensors, specs))

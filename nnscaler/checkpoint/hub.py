@@ -27,12 +27,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from nnscaler.checkpoint.collective import agree
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.pieces import (
     HubSource,
     ModuleSource,
     RankFilesSource,
-    agree,
     load_into,
 )
 from nnscaler.checkpoint.safetensors_io import parse_size, write_hub_folder

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.checkpoint.collective import agree, gather, world
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
 from nnscaler.errors import CheckpointError
@@ -46,32 +47,6 @@ from nnscaler.runtime.state import (
 __all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
 
 Box = tuple[tuple[int, int], ...]
-
-
-def _world() -> tuple[bool, int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return True, dist.get_rank(), dist.get_world_size()
-    return False, 0, 1
-
-
-def _gather(obj: Any) -> list[Any]:
-    distributed, _, world = _world()
-    if not distributed:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def agree(error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank when any rank failed (none waits forever)."""
-    messages = _gather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
 
 
 def _full_box(shape: Sequence[int]) -> Box:
@@ -308,9 +283,9 @@ class ModuleSource:
     the other ranks send it the pieces they are the first holder of and get None."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        _, self.rank, _ = _world()
+        _, self.rank, _ = world()
         self.local = module.state_dict()
-        everyone = _gather({k: _shapes_only(v) for k, v in self.local.items()})
+        everyone = gather({k: _shapes_only(v) for k, v in self.local.items()})
         self.catalog = _Catalog()
         for r, view in enumerate(everyone):
             self.catalog.add_state_dict(r, view, f"rank {r}'s module")
@@ -426,7 +401,7 @@ def load_into(module: torch.nn.Module, source: Any, to_source: Callable[[str], s
     agree(error, what)
     error = None
     try:
-        wanted = _gather(sorted(consumed))
+        wanted = gather(sorted(consumed))
         if strict:
             used = set().union(*wanted)
             extra = [n for n in source.names() if n not in used]
