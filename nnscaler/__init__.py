@@ -16,6 +16,7 @@ from nnscaler.checkpoint import (
     save_pretrained,
 )
 from nnscaler.codegen.errors import CodegenError
+from nnscaler.config import ComputeConfigError
 from nnscaler.errors import (
     CheckpointError,
     DuplicateRegistrationError,
@@ -45,7 +46,6 @@ from nnscaler.parallel import (
     verify,
 )
 from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError
-from nnscaler.parallel.config import ComputeConfigError
 from nnscaler.parallel.files import GenFilesError
 from nnscaler.parallel.op_checks import CustomOpCheckError
 from nnscaler.plugins import get_plugin_manager

@@ -52,8 +52,9 @@ def nnscaler_add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
         ``pluginmanager.add_hookspecs(my_hookspec_module)``.
 
     Called when the plugin is registered, before any ``nnscaler_register_*`` hook.
-    Example: the autodist plugin declares a hook through which other plugins add cost
-    models.
+    No plugin shipped with nnscaler uses it today; it is there for a plugin that wants
+    other plugins to extend it (say, a policy that takes cost models from other packages
+    through a ``@hookspec`` of its own, declared here and called with ``pm.hook``).
     """
 
 
@@ -107,7 +108,8 @@ def nnscaler_register_schedules(registry: Registry) -> None:
         callable ``(nstages, nmicros, nvirtual) -> list of per-device action lists``;
         anything else raises :class:`nnscaler.RegistrationError` naming this plugin.
 
-    ``pas_config={"pipeline_scheduler": "name"}`` looks the name up here. Example::
+    ``pas_config={"pipeline_scheduler": "name"}`` (read into
+    ``ComputeConfig.pipeline.scheduler``) looks the name up here. Example::
 
         @nnscaler.hookimpl
         def nnscaler_register_schedules(registry):

@@ -1,6 +1,6 @@
 """The layering of the package is a rule, not a drawing.
 
-- The import-linter contract in ``pyproject.toml`` (the layer order of DESIGN.md) holds:
+- The import-linter contract in ``pyproject.toml`` (the layer order of docs/internals/layers.md) holds:
   ``lint-imports`` passes.
 - Every sub-package of ``nnscaler`` has a place in that contract.
 - The import graph between the packages of ``nnscaler`` (the facade ``nnscaler/__init__``
@@ -47,7 +47,7 @@ def test_layer_contract_holds() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, (
-        "an import points up the layers of DESIGN.md (pyproject.toml [tool.importlinter]); "
+        "an import points up the layers of docs/internals/layers.md (pyproject.toml [tool.importlinter]); "
         "move the function to the layer that owns it, or hand the object down as an "
         "argument:\n" + result.stdout[-4000:] + result.stderr[-2000:]
     )

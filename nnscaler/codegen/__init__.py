@@ -26,14 +26,12 @@ from nnscaler.codegen.files import (
     load_generated_module,
 )
 from nnscaler.codegen.layouts import Placed, to_layout
-from nnscaler.codegen.pipeline import PipelineSettings
 from nnscaler.codegen.program import AdapterSpec, Program, build_program
 
 __all__ = [
     "FULLMODEL",
     "AdapterSpec",
     "CodegenError",
-    "PipelineSettings",
     "Placed",
     "Program",
     "build_program",

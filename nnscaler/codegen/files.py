@@ -22,6 +22,7 @@ import torch
 from nnscaler.codegen.emit import generate
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.program import Program, build_program
+from nnscaler.config import ComputeConfig
 from nnscaler.graph.graph import as_irgraph
 from nnscaler.ir import Graph, TensorKind
 
@@ -92,7 +93,7 @@ def emit_files(
     state: torch.nn.Module | Mapping[str, torch.Tensor],
     end2end: bool = False,
     inference_only: bool = False,
-    compute_config: Any = None,
+    compute_config: ComputeConfig | Mapping[str, Any] | None = None,
     forward_signature: inspect.Signature | None = None,
     program: Program | None = None,
     origin: Mapping[str, Any] | None = None,
@@ -101,9 +102,8 @@ def emit_files(
     ``outdir`` (created if missing); returns the paths written.
 
     ``state`` is the traced module (or its parameters and buffers by name, non-persistent
-    buffers included); ``compute_config`` gives the reducer options (``use_zero``,
-    ``zero_ngroups``, ``use_async_reducer``, ``reducer_bucket_cap_mb``; an object with
-    those attributes or a mapping); ``forward_signature`` (the traced module's
+    buffers included); ``compute_config`` (a :class:`~nnscaler.config.ComputeConfig`, or a mapping
+    of some of its fields) gives the reducer options and the pipeline schedule; ``forward_signature`` (the traced module's
     ``inspect.signature(module.forward)``) orders the generated forward's arguments and
     keeps the untraced ones with their defaults. ``program`` reuses an analysis made by
     :func:`~nnscaler.codegen.build_program` with the same arguments; ``origin`` (what

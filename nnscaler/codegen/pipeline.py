@@ -17,8 +17,8 @@ places each stage's op instances on a set of devices. Code generation then needs
 - the boundary tensors: every activation produced in a stage ``a`` and read in a later
   stage ``b`` (graph outputs are read by the last stage) is sent by stages ``a .. b-1``
   and received by ``a+1 .. b`` (a stage in between passes it on);
-- the schedule: ``pas_config['pipeline_scheduler']`` (default ``'1f1b'``) over
-  ``pas_config['pipeline_nmicros']`` micro-batches, checked with
+- the schedule: ``compute_config.pipeline`` (:class:`nnscaler.config.PipelineConfig`:
+  the scheduler's name over ``nmicros`` micro-batches), checked with
   :func:`nnscaler.schedule.simulate`.
 """
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from nnscaler.codegen.errors import CodegenError
+from nnscaler.config import ComputeConfig, ComputeConfigError, PipelineConfig
 from nnscaler.graph import IRGraph
 from nnscaler.ir import FullTensor, Op
 from nnscaler.layout import Layout
@@ -39,63 +40,36 @@ if TYPE_CHECKING:
     from nnscaler.codegen.program import OpStep
 
 __all__ = [
-    "DEFAULT_SCHEDULER",
     "PipelinePlan",
-    "PipelineSettings",
     "StagePlan",
     "find_stages",
     "map_layout",
     "pipeline_settings",
 ]
 
-DEFAULT_SCHEDULER = "1f1b"
-
-
-@attrs.frozen
-class PipelineSettings:
-    """The schedule options: ``nmicros`` micro-batches per step, the ``scheduler``'s name."""
-
-    nmicros: int
-    scheduler: str = DEFAULT_SCHEDULER
-
-
-def _options(source: Any) -> Mapping[str, Any]:
-    if source is None:
-        return {}
-    if isinstance(source, Mapping):
-        cfg = source.get("pas_config", source)
-    else:
-        cfg = getattr(source, "pas_config", None)
-    return cfg if isinstance(cfg, Mapping) else {}
-
-
-def pipeline_settings(compute_config: Any, pipeline: Any = None) -> PipelineSettings:
-    """The schedule options of a staged graph: ``pipeline`` (a :class:`PipelineSettings`
-    or a mapping with ``pipeline_nmicros`` / ``pipeline_scheduler``) or else the compute
-    config's ``pas_config``."""
-    if isinstance(pipeline, PipelineSettings):
-        return pipeline
-    cfg = dict(_options(compute_config))
+def pipeline_settings(compute_config: ComputeConfig,
+                      pipeline: PipelineConfig | Mapping[str, Any] | None = None
+                      ) -> PipelineConfig:
+    """The schedule of a staged graph: ``pipeline`` (a :class:`PipelineConfig`, or a
+    mapping with ``pipeline_nmicros`` / ``pipeline_scheduler`` over the compute config's
+    ``pas_config``) or else ``compute_config.pipeline``; the micro-batch count is required."""
     if isinstance(pipeline, Mapping):
-        cfg.update(pipeline)
-    elif pipeline is not None:
-        raise CodegenError(f"pipeline must be a PipelineSettings or a dict with "
+        try:
+            pipeline = PipelineConfig.from_pas_config({**compute_config.pas_config, **pipeline})
+        except ComputeConfigError as e:
+            raise CodegenError(str(e)) from None
+    elif pipeline is None:
+        pipeline = compute_config.pipeline
+    elif not isinstance(pipeline, PipelineConfig):
+        raise CodegenError(f"pipeline must be a PipelineConfig or a dict with "
                            f"pipeline_nmicros and pipeline_scheduler, got {pipeline!r}")
-    nmicros = cfg.get("pipeline_nmicros")
-    if nmicros is None:
+    if pipeline.nmicros is None:
         raise CodegenError(
             "the plan cuts the graph into pipeline stages, but pas_config has no "
             "'pipeline_nmicros' (the number of micro-batches of each train_step); set "
             "ComputeConfig(pas_config={'pipeline_nmicros': m, ...})"
         )
-    if isinstance(nmicros, bool) or not isinstance(nmicros, int) or nmicros < 1:
-        raise CodegenError(f"pas_config['pipeline_nmicros'] is the number of micro-batches of "
-                           f"each train_step, a positive int; got {nmicros!r}")
-    scheduler = cfg.get("pipeline_scheduler", DEFAULT_SCHEDULER)
-    if not isinstance(scheduler, str):
-        raise CodegenError(f"pas_config['pipeline_scheduler'] is the name of a registered "
-                           f"schedule (e.g. '1f1b'), got {scheduler!r}")
-    return PipelineSettings(nmicros=nmicros, scheduler=scheduler)
+    return pipeline
 
 
 def map_layout(layout: Layout, src: Sequence[int], dst: Sequence[int]) -> Layout:
@@ -130,7 +104,7 @@ class PipelinePlan:
     """The stages of a program, their device sets, the boundary tensors and the schedule
     (one action list per pipeline device)."""
 
-    settings: PipelineSettings
+    settings: PipelineConfig
     groups: list[tuple[int, ...]]
     stages: list[StagePlan]
     schedule: list[list[Action]] = attrs.field(factory=list)
@@ -244,7 +218,7 @@ def find_stages(g: IRGraph, plan_ngpus: int) -> PipelinePlan | None:
             f"place stages on devices {idle}"
         )
     stages = [StagePlan(index=s, group=s % p, devices=groups[s % p]) for s in range(nstages)]
-    return PipelinePlan(settings=PipelineSettings(nmicros=1), groups=groups, stages=stages)
+    return PipelinePlan(settings=PipelineConfig(nmicros=1), groups=groups, stages=stages)
 
 
 def make_schedule(plan: PipelinePlan) -> list[list[Action]]:

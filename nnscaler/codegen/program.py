@@ -42,6 +42,7 @@ from nnscaler.codegen.pipeline import (
     pipeline_settings,
 )
 from nnscaler.codegen.recompute import check_groups as check_recompute_groups
+from nnscaler.config import ComputeConfig, ComputeConfigError, PipelineConfig, as_compute_config
 from nnscaler.graph import IRGraph, check_plan
 from nnscaler.graph.check import written_by
 from nnscaler.graph.graph import as_irgraph
@@ -54,15 +55,6 @@ RESERVED = frozenset({
     "self", "torch", "boundary", "Adapter", "ParallelModule", "nnscaler", "init_params",
     "GenModel", "_out", "Pipeline", "Piece", "parse_schedule", "anchored", "SCHEDULE",
 })
-
-#: The reducer options a compute config may carry, with their defaults.
-REDUCER_DEFAULTS: dict[str, Any] = {
-    "use_zero": False,
-    "zero_ngroups": 1,
-    "use_async_reducer": False,
-    "reducer_bucket_cap_mb": 25.0,
-}
-
 
 @attrs.define(eq=False)
 class AdapterSpec:
@@ -209,31 +201,27 @@ class Program:
         return tuple(sorted({u * self.plan_ngpus + d for u in range(self.nunits) for d in same}))
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CodegenError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def reducer_options(compute_config: Any) -> dict[str, Any]:
-    """The reducer options of ``compute_config`` (an object with the attributes, a
-    mapping, or None for the defaults)."""
-    out = dict(REDUCER_DEFAULTS)
-    if compute_config is None:
-        return out
-    for key in out:
-        if isinstance(compute_config, Mapping):
-            value = compute_config.get(key, out[key])
-        else:
-            value = getattr(compute_config, key, out[key])
-        out[key] = value
-    if not out["reducer_bucket_cap_mb"]:
-        out["reducer_bucket_cap_mb"] = REDUCER_DEFAULTS["reducer_bucket_cap_mb"]
-    out["use_zero"] = bool(out["use_zero"])
-    out["use_async_reducer"] = bool(out["use_async_reducer"])
-    out["zero_ngroups"] = _positive("zero_ngroups", out["zero_ngroups"])
-    out["reducer_bucket_cap_mb"] = float(out["reducer_bucket_cap_mb"])
-    return out
+def program_config(compute_config: Any, plan_ngpus: int, runtime_ngpus: int) -> ComputeConfig:
+    """The :class:`~nnscaler.config.ComputeConfig` a program is built for: ``compute_config``
+    (or the fields of a mapping or object, or the defaults for None) with ``plan_ngpus``
+    and ``runtime_ngpus``; validated by ``ComputeConfig`` itself."""
+    if isinstance(compute_config, ComputeConfig):
+        if (compute_config.plan_ngpus, compute_config.runtime_ngpus) != (plan_ngpus,
+                                                                          runtime_ngpus):
+            raise CodegenError(
+                f"build_program was given plan_ngpus={plan_ngpus}, runtime_ngpus="
+                f"{runtime_ngpus}, but compute_config says {compute_config.plan_ngpus}, "
+                f"{compute_config.runtime_ngpus}; pass the numbers of the compute config"
+            )
+        return compute_config
+    data = compute_config if isinstance(compute_config, Mapping) or compute_config is None \
+        else {n: getattr(compute_config, n) for n in ComputeConfig.field_names()
+              if hasattr(compute_config, n)}
+    fields = {**dict(data or {}), "plan_ngpus": plan_ngpus, "runtime_ngpus": runtime_ngpus}
+    try:
+        return as_compute_config(fields)
+    except ComputeConfigError as e:
+        raise CodegenError(f"build_program: {e}") from None
 
 
 def _runs(g: IRGraph) -> list[tuple[Op, list[Op]]]:
@@ -296,9 +284,9 @@ def build_program(
     runtime_ngpus: int,
     end2end: bool = False,
     inference_only: bool = False,
-    compute_config: Any = None,
+    compute_config: ComputeConfig | Mapping[str, Any] | None = None,
     forward_signature: inspect.Signature | None = None,
-    pipeline: Any = None,
+    pipeline: PipelineConfig | Mapping[str, Any] | None = None,
     origin: Mapping[str, Any] | None = None,
 ) -> Program:
     """Analyse a planned, checked graph for code generation (see the module docstring).
@@ -310,22 +298,18 @@ def build_program(
 
     A graph cut into two or more stages (:meth:`~nnscaler.graph.IRGraph.staging`) becomes
     a pipeline (see :mod:`nnscaler.codegen.pipeline`): ``pipeline`` (a
-    :class:`~nnscaler.codegen.pipeline.PipelineSettings` or a dict) or else
-    ``compute_config.pas_config`` gives ``pipeline_nmicros`` and ``pipeline_scheduler``.
+    :class:`~nnscaler.config.PipelineConfig` or a dict with ``pipeline_nmicros`` and
+    ``pipeline_scheduler``) or else ``compute_config.pipeline`` gives the schedule.
+
+    ``compute_config`` is a :class:`~nnscaler.config.ComputeConfig`, or a mapping (or an
+    object) with some of its fields, turned into one with ``plan_ngpus`` and
+    ``runtime_ngpus``; it gives the reducer options (``compute_config.reducer``).
 
     ``origin`` says what produced the plan, for the header of each file: ``module`` (the
     model's class path), ``policy`` (its name) and ``config`` (other compute config
     fields worth showing, by name); :func:`nnscaler.parallelize` passes them.
     """
-    plan_ngpus = _positive("plan_ngpus", plan_ngpus)
-    runtime_ngpus = _positive("runtime_ngpus", runtime_ngpus)
-    if runtime_ngpus % plan_ngpus:
-        raise CodegenError(
-            f"runtime_ngpus ({runtime_ngpus}) must be a multiple of plan_ngpus ({plan_ngpus}): "
-            f"the runtime repeats the plan's scale unit of {plan_ngpus} devices; use "
-            f"runtime_ngpus = k * {plan_ngpus}"
-        )
-    options = reducer_options(compute_config)
+    config = program_config(compute_config, plan_ngpus, runtime_ngpus)
     if not isinstance(graph, Graph):
         raise TypeError(f"build_program takes a planned graph (an IRGraph a policy placed), "
                         f"got {type(graph).__name__} {graph!r}")
@@ -341,7 +325,7 @@ def build_program(
                 f"Parallelize with ComputeConfig(use_end2end=True), or use a policy without "
                 f"pipeline stages (e.g. 'tp')"
             )
-        pipe.settings = pipeline_settings(compute_config, pipeline)
+        pipe.settings = pipeline_settings(config, pipeline)
     builder = _Builder(g, plan_ngpus, runtime_ngpus, pipe)
     args = _forward_args(g, forward_signature, builder.namer)
     builder.args = {name for name, _ in args}
@@ -361,7 +345,7 @@ def build_program(
         runtime_ngpus=runtime_ngpus,
         end2end=bool(end2end),
         inference_only=bool(inference_only),
-        reducer_config=options,
+        reducer_config=config.reducer.as_options(),
         args=args,
         steps=steps,
         outputs=outputs,
@@ -372,16 +356,16 @@ def build_program(
         process_groups=[],
         reducer_groups=[],
         pipeline=pipe,
-        origin=_origin(origin, compute_config),
+        origin=_origin(origin, config),
     )
     program.process_groups, program.reducer_groups = process_groups(program)
     return program
 
 
-def _origin(origin: Mapping[str, Any] | None, compute_config: Any) -> dict[str, Any]:
+def _origin(origin: Mapping[str, Any] | None, compute_config: ComputeConfig) -> dict[str, Any]:
     out = dict(origin or {})
     config = dict(out.get("config") or {})
-    pas = getattr(compute_config, "pas_config", None)
+    pas = compute_config.pas_config
     if pas:
         config.setdefault("pas_config", dict(pas))
     if config:

@@ -37,6 +37,7 @@ module runs a whole step in ``train_step``, which Lightning's loop does not call
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import shutil
@@ -156,7 +157,7 @@ class NnScalerStrategy(DDPStrategy):
                 "use_end2end=False"
             )
         if pas_config:
-            compute_config = attrs_evolve(compute_config, pas_config={
+            compute_config = dataclasses.replace(compute_config, pas_config={
                 **compute_config.pas_config, **pas_config})
         super().__init__(**kwargs)
         self.compute_config = compute_config
@@ -333,9 +334,3 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.step = step_after_closure  # type: ignore[method-assign]
 
-
-def attrs_evolve(config: ComputeConfig, **changes: Any) -> ComputeConfig:
-    """``config`` with ``changes`` (ComputeConfig is frozen)."""
-    import attrs
-
-    return attrs.evolve(config, **changes)

@@ -226,7 +226,7 @@ class Layout:
 
     def replicated(self) -> Layout:
         """The same chunks on the same devices, every device holding its whole chunk:
-        ``R(r*v)V(1)D(d)``. Under the replicated-gradient convention (DESIGN, "Gradient
+        ``R(r*v)V(1)D(d)``. Under the replicated-gradient convention (docs/internals/design.md, "Gradient
         layouts") this is the layout of the gradient of a tensor in ``self``."""
         return Layout(shape=self.shape, r=self.r * self.v, v=1, d=self.d, devices=self.devices)
 

@@ -24,7 +24,7 @@ identity_allreduce   --          identity (backward: all-reduce)             all
 ===================  ==========  ==========================================  ===================
 
 (*) ``identity_allreduce`` is the replicated-gradient convention's edge adapter
-(DESIGN "Gradient layouts"): forward identity on a replicated tensor, backward all-reduce
+(docs/internals/design.md, "Gradient layouts"): forward identity on a replicated tensor, backward all-reduce
 of the partial gradients. Under the per-device dot product its backward is *not* the
 transpose (the transpose of identity is identity); it is the transpose when the input
 replicas count once. The planner never uses it.

@@ -227,10 +227,10 @@ class _Generator:
         if graph is None:
             from nnscaler.trace import trace
 
-            graph = trace(self.module(), self.args, strategy=self.config.trace_strategy)
+            graph = trace(self.module(), self.args, strategy=self.config.tracing.strategy)
         from nnscaler.trace.data_dependent import check_data_dependent
 
-        check_data_dependent(graph.data_dependent, allow=self.config.allow_data_dependent)
+        check_data_dependent(graph.data_dependent, allow=self.config.tracing.allow_data_dependent)
         # ReuseType other than MATCH: what was there goes, even if generation fails below
         # (a MATCH call only gets here when there is no complete directory)
         files.remove_dir(self.outdir)

@@ -720,7 +720,7 @@ def verify(
     except Exception:  # noqa: BLE001 - a module that does not copy: restore its state below
         traced_module = module
     try:
-        graph = trace(traced_module, dummy_forward_args, strategy=config.trace_strategy)
+        graph = trace(traced_module, dummy_forward_args, strategy=config.tracing.strategy)
     finally:
         if traced_module is module:
             with torch.no_grad():

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnscaler.anno import Split, Transform
+from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import FullTensor, Graph, Op, SubTensor, tensors_in
 from nnscaler.policies.common import (
     PolicyError,
     as_policy_graph,
     assign_parts,
-    get_pas_config,
-    get_plan_ngpus,
+    policy_config,
 )
 
 __all__ = ["batch_dims_of_inputs", "data"]
@@ -118,11 +118,11 @@ def _follow(op: Op, t: Transform, batch: dict[FullTensor, int]) -> None:
             batch[after.full] = layout.dim
 
 
-def data(graph: Graph, compute_config: Any) -> IRGraph:
+def data(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Split the batch across ``compute_config.plan_ngpus`` devices (see the module
     docstring). ``pas_config`` option: ``batch_dims`` (``{argument: dim or None}``)."""
-    n = get_plan_ngpus(compute_config, "data")
-    cfg = get_pas_config(compute_config, "data")
+    config = policy_config(compute_config, "data")
+    n, cfg = config.plan_ngpus, config.pas_config
     g = as_policy_graph(graph)
     batch = batch_dims_of_inputs(g, cfg.get("batch_dims"), n)
     for op in g.nodes():

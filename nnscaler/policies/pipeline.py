@@ -1,7 +1,9 @@
 """``pp`` and ``hybrid``: pipeline parallelism, alone or with tensor parallelism per stage.
 
 Both cut the program into stages of about equal compute and configure the schedule
-through ``pas_config`` (the keys nnScaler users know):
+through ``pas_config`` (the keys nnScaler users know; the micro-batches and the scheduler
+are read once into ``compute_config.pipeline``, :class:`nnscaler.config.PipelineConfig`,
+which code generation reads too):
 
 - ``pipeline_nstages``: the number of pipeline devices ``p`` (``pp``: default and at most
   ``plan_ngpus``; ``hybrid``: required, it must divide ``plan_ngpus``);
@@ -36,13 +38,13 @@ from typing import Any
 import attrs
 
 from nnscaler.anno.parser import Reduce
+from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op, tensors_in
 from nnscaler.policies.common import (
     PolicyError,
     as_policy_graph,
-    get_pas_config,
-    get_plan_ngpus,
+    policy_config,
 )
 
 __all__ = ["PipelineOptions", "cut_points", "hybrid", "op_cost", "pipeline_options", "pp"]
@@ -78,13 +80,14 @@ def _positive(policy: str, cfg: Mapping[str, Any], key: str, default: int | None
     return value
 
 
-def pipeline_options(compute_config: Any, policy: str, *, default_nstages: int | None
+def pipeline_options(config: ComputeConfig, policy: str, *, default_nstages: int | None
                      ) -> PipelineOptions:
-    """The pipeline keys of ``compute_config.pas_config``; an unknown scheduler raises
+    """The pipeline of ``config``: ``config.pipeline`` (micro-batches, scheduler) and the
+    policy's own ``pas_config`` keys (stages); an unknown scheduler raises
     :class:`nnscaler.UnknownNameError`, which lists the registered ones."""
     from nnscaler.schedule import get_schedule
 
-    if getattr(compute_config, "use_end2end", True) is False:
+    if not config.use_end2end:
         raise PolicyError(
             f"policy {policy!r} cuts the model into pipeline stages, which run over "
             f"micro-batches in train_step: the module must be end2end (forward(sample) "
@@ -92,15 +95,12 @@ def pipeline_options(compute_config: Any, policy: str, *, default_nstages: int |
             f"ComputeConfig(use_end2end=True), or use a policy without a pipeline ('tp', "
             f"'data')"
         )
-    cfg = get_pas_config(compute_config, policy)
+    cfg = config.pas_config
     nstages = _positive(policy, cfg, "pipeline_nstages", default_nstages,
                         "the number of pipeline stages")
-    nmicros = _positive(policy, cfg, "pipeline_nmicros", None,
+    nmicros = _positive(policy, cfg, "pipeline_nmicros", config.pipeline.nmicros,
                         "the number of micro-batches of each train_step")
-    scheduler = cfg.get("pipeline_scheduler", "1f1b")
-    if not isinstance(scheduler, str):
-        raise PolicyError(f"policy {policy!r}: pas_config['pipeline_scheduler'] is the name "
-                          f"of a registered schedule, e.g. '1f1b'; got {scheduler!r}")
+    scheduler = config.pipeline.scheduler
     get_schedule(scheduler)  # fails here, listing the registered schedules
     nvirtual = _positive(policy, cfg, "pipeline_nvirtual",
                          2 if scheduler == _INTERLEAVED else 1, "the stages per pipeline device")
@@ -207,12 +207,13 @@ def _stage(g: IRGraph, nstages: int, policy: str) -> None:
 
 
 # -- the policies ---------------------------------------------------------------------------
-def pp(graph: Graph, compute_config: Any) -> IRGraph:
+def pp(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Pipeline parallelism: ``pipeline_nstages`` (default ``plan_ngpus``) pipeline
     devices, one device each, ``pipeline_nvirtual`` stages per device; see the module
     docstring for the ``pas_config`` keys."""
-    n = get_plan_ngpus(compute_config, "pp")
-    opts = pipeline_options(compute_config, "pp", default_nstages=n)
+    config = policy_config(compute_config, "pp")
+    n = config.plan_ngpus
+    opts = pipeline_options(config, "pp", default_nstages=n)
     if opts.nstages > n:
         raise PolicyError(
             f"policy 'pp': pas_config['pipeline_nstages'] asks for {opts.nstages} pipeline "
@@ -235,14 +236,15 @@ def pp(graph: Graph, compute_config: Any) -> IRGraph:
     return g
 
 
-def hybrid(graph: Graph, compute_config: Any) -> IRGraph:
+def hybrid(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Pipeline stages with tensor parallelism inside each: ``pipeline_nstages``
     pipeline devices of ``plan_ngpus / pipeline_nstages`` devices each, every op of a
     stage split over its devices by the ``tp`` chooser; see the module docstring."""
     from nnscaler.policies.tensor_parallel import DEFAULT_LOOKAHEAD, _Greedy, get_bytes_per_mac
 
-    n = get_plan_ngpus(compute_config, "hybrid")
-    opts = pipeline_options(compute_config, "hybrid", default_nstages=None)
+    config = policy_config(compute_config, "hybrid")
+    n = config.plan_ngpus
+    opts = pipeline_options(config, "hybrid", default_nstages=None)
     if opts.nstages > n:
         raise PolicyError(
             f"policy 'hybrid': pas_config['pipeline_nstages'] asks for {opts.nstages} "
@@ -258,7 +260,7 @@ def hybrid(graph: Graph, compute_config: Any) -> IRGraph:
             f"{divisors}"
         )
     k = n // opts.nstages
-    lookahead = get_pas_config(compute_config, "hybrid").get("tp_lookahead", DEFAULT_LOOKAHEAD)
+    lookahead = config.pas_config.get("tp_lookahead", DEFAULT_LOOKAHEAD)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise PolicyError(f"policy 'hybrid': pas_config['tp_lookahead'] is an int >= 0, got "
                           f"{lookahead!r}")
@@ -271,7 +273,7 @@ def hybrid(graph: Graph, compute_config: Any) -> IRGraph:
         # every stage's ops over devices 0 .. k-1, as tensor parallelism on k devices; a
         # tensor crossing a boundary keeps its layout lane by lane, so the chooser's view of
         # one k-device unit is what each stage sees
-        greedy = _Greedy(g, k, lookahead, get_bytes_per_mac(compute_config, "hybrid"))
+        greedy = _Greedy(g, k, lookahead, get_bytes_per_mac(config, "hybrid"))
         for op in g.nodes():
             greedy.place(op)
     for op in g.nodes():

@@ -7,20 +7,20 @@ running the whole model on its own samples, their gradients summed by the reduce
 
 from __future__ import annotations
 
-from typing import Any
-
+from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph
-from nnscaler.policies.common import PolicyError, as_policy_graph, get_plan_ngpus
+from nnscaler.policies.common import PolicyError, as_policy_graph, policy_config
 
 __all__ = ["dp"]
 
 
-def dp(graph: Graph, compute_config: Any) -> IRGraph:
+def dp(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Every op on device 0 of a one-device scale unit (``plan_ngpus`` must be 1)."""
-    n = get_plan_ngpus(compute_config, "dp")
+    config = policy_config(compute_config, "dp")
+    n = config.plan_ngpus
     if n != 1:
-        runtime = getattr(compute_config, "runtime_ngpus", None)
+        runtime = config.runtime_ngpus
         raise PolicyError(
             f"policy 'dp' plans a scale unit of one device (each replica runs the whole "
             f"model; the replicas are the runtime_ngpus / plan_ngpus scale units), but "

@@ -52,6 +52,7 @@ from typing import Any
 import attrs
 
 from nnscaler.anno import Transform
+from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import FullTensor, Graph, Op, TensorKind
 from nnscaler.layout import Layout
@@ -59,8 +60,7 @@ from nnscaler.policies.common import (
     PolicyError,
     as_policy_graph,
     assign_parts,
-    get_pas_config,
-    get_plan_ngpus,
+    policy_config,
 )
 from nnscaler.policies.costs import (
     adapter_cost,
@@ -267,10 +267,10 @@ class _Greedy:
             self.held[x.full] = layout_of((p.device, w[j]) for p, w in zip(parts, writes))
 
 
-def get_bytes_per_mac(compute_config: Any, policy: str) -> float:
+def get_bytes_per_mac(compute_config: ComputeConfig, policy: str) -> float:
     """``pas_config['tp_bytes_per_mac']``: what one multiply-accumulate costs, in bytes a
     collective moves (default: :func:`~nnscaler.policies.costs.default_bytes_per_mac`)."""
-    value = get_pas_config(compute_config, policy).get("tp_bytes_per_mac")
+    value = policy_config(compute_config, policy).pas_config.get("tp_bytes_per_mac")
     if value is None:
         return default_bytes_per_mac()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -283,7 +283,7 @@ def get_bytes_per_mac(compute_config: Any, policy: str) -> float:
     return float(value)
 
 
-def tp(graph: Graph, compute_config: Any) -> IRGraph:
+def tp(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Tensor parallelism on ``compute_config.plan_ngpus`` devices: every op split through
     its transform space where that pays (see the module docstring), else replicated.
 
@@ -292,8 +292,9 @@ def tp(graph: Graph, compute_config: Any) -> IRGraph:
     (:data:`~nnscaler.policies.costs.BYTES_PER_MAC` of the device type by default; 0
     leaves computation out). The result passes ``graph.check(plan_ngpus)``.
     """
-    n = get_plan_ngpus(compute_config, "tp")
-    lookahead = get_pas_config(compute_config, "tp").get("tp_lookahead", DEFAULT_LOOKAHEAD)
+    config = policy_config(compute_config, "tp")
+    n = config.plan_ngpus
+    lookahead = config.pas_config.get("tp_lookahead", DEFAULT_LOOKAHEAD)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise PolicyError(
             f"policy 'tp': pas_config['tp_lookahead'] is how many readers deep the policy "

@@ -3,7 +3,7 @@
 :func:`execute_plan` is what generated code calls for an adapter. Run on every rank of
 the plan, its results are exactly those of :func:`nnscaler.layout.execute` on the list
 of pieces, and its backward those of :func:`nnscaler.layout.execute_adjoint` (with
-``grad="exact"``, the default) or of DESIGN's replicated-gradient convention (with
+``grad="exact"``, the default) or of the replicated-gradient convention of docs/internals/design.md (with
 ``grad="replicated"``: the incoming gradients are whole on every device of ``dst``, the
 outgoing ones whole on every device of ``src``).
 
@@ -243,7 +243,7 @@ def _check_grad(grad: str) -> None:
     if grad not in ("exact", "replicated"):
         raise CollectiveError(
             f"grad must be 'exact' or 'replicated', got {grad!r}. Fix: 'exact' gives what "
-            f"nnscaler.layout.execute_adjoint gives; 'replicated' is DESIGN's convention."
+            f"nnscaler.layout.execute_adjoint gives; 'replicated' is the convention of docs/internals/design.md."
         )
 
 
@@ -338,7 +338,7 @@ def execute_plan(
 
     Backward: ``grad="exact"`` runs ``plan.adjoint()`` (gradients in ``dst.dual()`` in,
     ``src.dual()`` out, as ``execute_adjoint``); ``grad="replicated"`` takes gradients in
-    ``dst.replicated()`` and gives them in ``src.replicated()`` (DESIGN's convention).
+    ``dst.replicated()`` and gives them in ``src.replicated()`` (the convention of docs/internals/design.md).
     Every multi-rank group must exist: ``ensure_groups(plan_groups(plan, grad=grad))``
     on every rank first.
     """

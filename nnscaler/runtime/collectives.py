@@ -8,7 +8,7 @@ must have been created with :func:`nnscaler.runtime.ensure_groups` first.
 
 Gradient conventions (``grad=``):
 
-- ``"replicated"`` (DESIGN, "Gradient layouts"; Megatron's): the gradient of a
+- ``"replicated"`` (docs/internals/design.md, "Gradient layouts"; Megatron's): the gradient of a
   replicated tensor is replicated. ``all_reduce`` has identity backward,
   ``identity_allreduce`` has all-reduce backward, ``all_gather`` keeps its own chunk of
   the gradient, ``chunk`` all-gathers it, ``broadcast`` has identity backward.
@@ -229,7 +229,7 @@ def _check(grad: str) -> str:
     if grad not in _CONVENTIONS:
         raise CollectiveError(
             f"grad must be one of {list(_CONVENTIONS)}, got {grad!r}. Fix: 'replicated' "
-            f"(DESIGN's convention, the gradient of a replicated tensor is replicated) or "
+            f"(the convention of docs/internals/design.md: the gradient of a replicated tensor is replicated) or "
             f"'exact' (the transpose, as nnscaler.layout.execute_adjoint computes)."
         )
     return grad

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from nnscaler.config import ReducerConfig
 from nnscaler.errors import NNScalerError
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
@@ -271,11 +272,8 @@ class ParallelModule(torch.nn.Module):
                     target.zero_()
 
     def _build_reducers(self) -> None:
-        cfg = self.reducer_config
-        zero = bool(cfg.get("use_zero", False))
-        ngroups = int(cfg.get("zero_ngroups", 1))
-        async_op = bool(cfg.get("use_async_reducer", False))
-        cap = float(cfg.get("reducer_bucket_cap_mb") or 25.0)
+        cfg = ReducerConfig.from_options(self.reducer_config)
+        zero, ngroups, async_op, cap = cfg.use_zero, cfg.zero_ngroups, cfg.async_op, cfg.bucket_cap_mb
         by_holders: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for attr, meta in self.fullmap.items():
             p = getattr(self, attr)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.config import DEFAULT_BUCKET_CAP_MB
 from nnscaler.runtime.teardown import track_reducer
 from nnscaler.runtime.zero import new_group, padded_numel, zero_groups
 
@@ -154,7 +155,7 @@ class Reducer:
         params: Iterable[torch.nn.Parameter],
         ranks: Iterable[int],
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         async_op: bool = False,
         zero: bool = False,
         zero_ngroups: int = 1,
@@ -166,7 +167,8 @@ class Reducer:
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"ranks must be distinct, got {list(self.ranks)}")
         if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; the default is 25.0")
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; the default is "
+                             f"{DEFAULT_BUCKET_CAP_MB}")
         self.rank = dist.get_rank() if dist.is_initialized() else self.ranks[0]
         if self.rank not in self.ranks:
             raise ValueError(

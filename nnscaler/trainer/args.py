@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnscaler.parallel.config import ComputeConfig
+from nnscaler.config import ComputeConfig
 from nnscaler.trainer.errors import ConfigError
 from nnscaler.trainer.fields import (
     Checked,

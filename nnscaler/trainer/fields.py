@@ -19,9 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, Union
 
-import attrs
 
-from nnscaler.parallel.config import ComputeConfig, ComputeConfigError
+from nnscaler.config import ComputeConfig, ComputeConfigError
 from nnscaler.trainer.errors import ConfigError
 
 __all__ = [
@@ -165,6 +164,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
                 key,
             )
         return value
+    if hint is ComputeConfig:
+        return _compute_config(value, key)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -175,8 +176,6 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             f"{type(value).__name__} {value!r}.",
             key,
         )
-    if hint is ComputeConfig:
-        return _compute_config(value, key)
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {type(value).__name__} {value!r}.",
@@ -231,7 +230,7 @@ def _compute_config(value: Any, key: str) -> ComputeConfig:
             f"{type(value).__name__} {value!r}.",
             key,
         )
-    valid = [f.name for f in attrs.fields(ComputeConfig)]
+    valid = list(ComputeConfig.field_names())
     for k in value:
         if k not in valid:
             raise ConfigError(f"{key}.{k} is not a field of ComputeConfig."

@@ -6,7 +6,7 @@
   tensors, which pins every adjoint step;
 - gradients: the adjoint maps a gradient laid out in dst.dual() to the same gradient
   laid out in src.dual();
-- the replicated-gradient convention (DESIGN) is the exact adjoint between two layout
+- the replicated-gradient convention (docs/internals/design.md) is the exact adjoint between two layout
   changes: replicated -> dual on the way in, dual -> replicated on the way out;
 - every step's ``after`` layout describes the tensors the step leaves behind.
 """

@@ -80,12 +80,15 @@ def test_dp_with_two_plan_devices_says_what_to_use_instead():
 @pytest.mark.parametrize("policy", ["dp", "data", "tp"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
 def test_plan_ngpus_must_be_a_positive_int(policy, bad):
-    with pytest.raises(PolicyError, match=r"plan_ngpus .*positive int; got"):
+    with pytest.raises(PolicyError, match=rf"policy '{policy}': ComputeConfig.plan_ngpus "
+                                          rf"must be a positive int, got"):
         POLICIES[policy](fresh("mlp"), config(bad))
 
 
 def test_a_compute_config_without_plan_ngpus_is_named():
-    with pytest.raises(PolicyError, match=r"must have a 'plan_ngpus' attribute"):
+    with pytest.raises(PolicyError, match=r"policy 'tp': a compute config must be an "
+                                          r"nnscaler.ComputeConfig \(or an object with its "
+                                          r"fields: plan_ngpus"):
         tp(fresh("mlp"), object())
 
 

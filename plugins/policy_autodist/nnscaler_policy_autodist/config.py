@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from nnscaler.config import DEFAULT_SCHEDULER, ComputeConfigError, PipelineConfig
 from nnscaler.policies import PolicyError
 
 __all__ = ["KEYS", "SOLVERS", "AutoDistConfig", "AutoDistError", "parse_config"]
@@ -76,7 +77,7 @@ class AutoDistConfig:
     mem_constraint: float | None = None  # bytes per device
     pipeline_nstages: int | str = 1
     pipeline_nmicros: int | None = None
-    pipeline_scheduler: str = "1f1b"
+    pipeline_scheduler: str = DEFAULT_SCHEDULER
     recompute_modules: tuple[str, ...] = ()
     partition_constraints_path: Path | None = None
     load_plan_path: Path | None = None
@@ -103,8 +104,11 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
-def parse_config(pas_config: Mapping[str, Any] | None) -> AutoDistConfig:
-    """Check ``pas_config`` and return the :class:`AutoDistConfig` it asks for."""
+def parse_config(pas_config: Mapping[str, Any] | None,
+                 pipeline: PipelineConfig | None = None) -> AutoDistConfig:
+    """Check ``pas_config`` and return the :class:`AutoDistConfig` it asks for; the
+    micro-batches and the scheduler come from ``pipeline`` (the compute config's
+    ``pipeline``, read from the same ``pas_config`` keys), or else from ``pas_config``."""
     cfg = dict(pas_config or {})
     for key in cfg:
         if key not in KEYS:
@@ -123,11 +127,16 @@ def parse_config(pas_config: Mapping[str, Any] | None) -> AutoDistConfig:
         if isinstance(nstages, bool) or not isinstance(nstages, int) or nstages < 1:
             raise _bad("pipeline_nstages", nstages, "a positive int or 'auto'")
     out["pipeline_nstages"] = nstages
-    if cfg.get("pipeline_nmicros") is not None:
-        out["pipeline_nmicros"] = _positive_int("pipeline_nmicros", cfg["pipeline_nmicros"])
-    sched = cfg.get("pipeline_scheduler", "1f1b")
-    if not isinstance(sched, str):
-        raise _bad("pipeline_scheduler", sched, "the name of a registered schedule, e.g. '1f1b'")
+    if pipeline is None:
+        for key, what in (("pipeline_nmicros", "a positive int"),
+                          ("pipeline_scheduler", "the name of a registered schedule")):
+            try:
+                PipelineConfig.from_pas_config({key: cfg.get(key)} if key in cfg else {})
+            except ComputeConfigError:
+                raise _bad(key, cfg[key], what) from None
+        pipeline = PipelineConfig.from_pas_config(cfg)
+    out["pipeline_nmicros"] = pipeline.nmicros
+    sched = pipeline.scheduler
     if nstages != 1:
         from nnscaler.schedule import get_schedule
 

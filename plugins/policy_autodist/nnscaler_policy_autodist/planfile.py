@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnscaler.config import DEFAULT_SCHEDULER
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Op
 from nnscaler_policy_autodist.config import AutoDistError
@@ -124,7 +125,8 @@ def replay(path: Path, graph: IRGraph, ops: Sequence[Op], n: int, model: CostMod
         problems.append(problem)
         choices.append(picked)
     nm = int(pipe_cfg.get("nmicros", nmicros))
-    pipe = PipelinePlan(tuple(starts), k, nm, str(pipe_cfg.get("scheduler", "1f1b")), 0.0)
+    scheduler = str(pipe_cfg.get("scheduler", DEFAULT_SCHEDULER))
+    pipe = PipelinePlan(tuple(starts), k, nm, scheduler, 0.0)
     sols = replay_solutions(problems, choices, pipe)
     import attrs
 

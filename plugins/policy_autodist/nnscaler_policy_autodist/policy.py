@@ -18,14 +18,14 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from typing import Any
 
 import attrs
 
+from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import Graph, Op
 from nnscaler.parallel import call_on_every_rank
-from nnscaler.policies.common import as_policy_graph, get_plan_ngpus
+from nnscaler.policies.common import as_policy_graph, policy_config
 from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
@@ -84,16 +84,15 @@ def _in(op: Op, path: str) -> bool:
     return op.module_path == path or op.module_path.startswith(path + ".")
 
 
-def plan_graph(graph: Graph, compute_config: Any) -> tuple[IRGraph, AutoDistResult]:
+def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
     """Plan ``graph`` like the ``autodist`` policy and also return what it chose."""
     from nnscaler_policy_autodist import planfile, report
 
     t0 = time.perf_counter()
-    n = get_plan_ngpus(compute_config, "autodist")
-    cfg = parse_config(getattr(compute_config, "pas_config", None))
-    runtime = getattr(compute_config, "runtime_ngpus", n) or n
-    units = max(1, runtime // n)
-    zero = bool(getattr(compute_config, "use_zero", False))
+    config = policy_config(compute_config, "autodist")
+    n, runtime, zero = config.plan_ngpus, config.runtime_ngpus, config.use_zero
+    cfg = parse_config(config.pas_config, config.pipeline)
+    units = config.scale_units
     g = as_policy_graph(graph)
     ops = g.nodes()
     from nnscaler.runtime.device import device_type
@@ -160,7 +159,7 @@ def _apply(g: IRGraph, pipe: PipelinePlan, problems: list[StageProblem],
                 g.assign(part, base + p)
 
 
-def autodist(graph: Graph, compute_config: Any) -> IRGraph:
+def autodist(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """The ``autodist`` policy: ``(graph, compute_config) -> graph``. See
     ``docs/plugins/policy_autodist.md`` for the ``pas_config`` keys and the report."""
     g, _ = plan_graph(graph, compute_config)

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from nnscaler.config import ComputeConfig, ComputeConfigError, as_compute_config
 from nnscaler.policies import PolicyError
 
 __all__ = ["MegatronConfig", "MegatronConfigError", "megatron_compute_config", "read_config"]
@@ -72,26 +73,21 @@ def _bool(cfg: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def read_config(compute_config: Any) -> MegatronConfig:
+def read_config(compute_config: ComputeConfig) -> MegatronConfig:
     """The Megatron sizes of ``compute_config.pas_config``, checked against
     ``plan_ngpus``, ``runtime_ngpus`` and ``use_zero``.
 
     ``tensor_model_parallel_size`` defaults to ``plan_ngpus / pipeline_model_parallel_size``
     (so ``{}`` means tensor parallelism over the whole scale unit).
     """
-    plan = getattr(compute_config, "plan_ngpus", None)
-    if isinstance(plan, bool) or not isinstance(plan, int) or plan < 1:
+    try:
+        config = as_compute_config(compute_config)
+    except ComputeConfigError as e:
         raise MegatronConfigError(
-            f"policy 'megatron': the compute config needs plan_ngpus, a positive int (the "
-            f"devices of one scale unit, tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size); got {plan!r}. Build it with "
+            f"policy 'megatron': {e}. Build the config with "
             f"nnscaler_policy_megatron.megatron_compute_config(...)"
-        )
-    runtime = getattr(compute_config, "runtime_ngpus", plan) or plan
-    cfg = getattr(compute_config, "pas_config", None) or {}
-    if not isinstance(cfg, Mapping):
-        raise MegatronConfigError(f"policy 'megatron': pas_config must be a dict, got "
-                                  f"{type(cfg).__name__} {cfg!r}")
+        ) from None
+    plan, runtime, cfg = config.plan_ngpus, config.runtime_ngpus, config.pas_config
     pp = _int(cfg, "pipeline_model_parallel_size", 1) or 1
     tp = _int(cfg, "tensor_model_parallel_size", plan // pp if plan % pp == 0 else None)
     if tp is None or tp * pp != plan:
@@ -125,7 +121,7 @@ def read_config(compute_config: Any) -> MegatronConfig:
             f"data_parallel out"
         )
     distributed = _bool(cfg, "use_distributed_optimizer")
-    use_zero = bool(getattr(compute_config, "use_zero", False))
+    use_zero = config.use_zero
     if distributed != use_zero:
         raise MegatronConfigError(
             f"policy 'megatron': use_distributed_optimizer shards the optimizer state over "
@@ -153,13 +149,13 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
                             sequence_parallel: bool = False,
                             use_distributed_optimizer: bool = False,
                             pas_config: Mapping[str, Any] | None = None,
-                            **compute_config: Any) -> Any:
+                            **compute_config: Any) -> ComputeConfig:
     """A :class:`~nnscaler.ComputeConfig` for the ``megatron`` policy from Megatron's
     sizes: ``plan_ngpus = tp * pp``, ``runtime_ngpus = plan_ngpus * data_parallel``,
     ``use_zero = use_distributed_optimizer``; ``pas_config`` adds other keys (for a
-    pipeline: ``pipeline_nmicros``, ``pipeline_scheduler``), ``compute_config`` other
+    pipeline: ``pipeline_nmicros``, ``pipeline_scheduler``, which is
+    ``'1f1b_interleaved'`` by default with virtual stages), ``compute_config`` other
     ``ComputeConfig`` fields (``use_end2end``, ...)."""
-    from nnscaler import ComputeConfig
 
     sizes: dict[str, Any] = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -172,6 +168,10 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
         sizes["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
     if num_layers_per_virtual_pipeline_stage is not None:
         sizes["num_layers_per_virtual_pipeline_stage"] = num_layers_per_virtual_pipeline_stage
+    vpp = virtual_pipeline_model_parallel_size or 1
+    if (vpp > 1 or num_layers_per_virtual_pipeline_stage is not None) and \
+            "pipeline_scheduler" not in (pas_config or {}):
+        sizes["pipeline_scheduler"] = "1f1b_interleaved"  # Megatron's schedule for them
     plan = tensor_model_parallel_size * pipeline_model_parallel_size
     return ComputeConfig(plan_ngpus=plan, runtime_ngpus=plan * data_parallel,
                          use_zero=use_distributed_optimizer,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from nnscaler.config import ComputeConfig, as_compute_config
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op
 from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
@@ -68,9 +69,9 @@ def _as_graph(graph: Graph) -> IRGraph:
     return IRGraph.from_graph(graph)
 
 
-def _stage(g: IRGraph, cfg: MegatronConfig, compute_config: Any, plan: MegatronPlan) -> int:
+def _stage(g: IRGraph, cfg: MegatronConfig, compute_config: ComputeConfig,
+           plan: MegatronPlan) -> int:
     """Cut ``g`` into pipeline stages of whole layers; returns the number of stages."""
-    pas = getattr(compute_config, "pas_config", None) or {}
     ops = g.nodes()
     layers = list(dict.fromkeys(lay for op in ops if (lay := layer_of(op)) is not None))
     nlayers = len(layers)
@@ -94,20 +95,20 @@ def _stage(g: IRGraph, cfg: MegatronConfig, compute_config: Any, plan: MegatronP
             f"virtual_pipeline_model_parallel_size = {cfg.pp} * {vpp} = {nstages} stages. "
             f"Use sizes whose product divides {nlayers}"
         )
-    scheduler = pas.get("pipeline_scheduler", _INTERLEAVED if vpp > 1 else "1f1b")
+    scheduler = compute_config.pipeline.scheduler
     if vpp > 1 and scheduler != _INTERLEAVED:
         raise MegatronConfigError(
             f"policy 'megatron': {vpp} virtual stages per pipeline rank run with the "
             f"interleaved schedule; pas_config['pipeline_scheduler'] is {scheduler!r}. Set "
             f"pipeline_scheduler='{_INTERLEAVED}' or drop the virtual stages"
         )
-    if pas.get("pipeline_nmicros") is None:
+    if compute_config.pipeline.nmicros is None:
         raise MegatronConfigError(
             f"policy 'megatron': pipeline_model_parallel_size={cfg.pp} runs each step as "
             f"micro-batches; set pas_config['pipeline_nmicros'] (Megatron's number of "
             f"micro-batches: global batch / (micro batch * data parallel))"
         )
-    if getattr(compute_config, "use_end2end", True) is False:
+    if not compute_config.use_end2end:
         raise MegatronConfigError(
             "policy 'megatron': pipeline stages run over micro-batches in train_step, so "
             "the module must be end2end; set ComputeConfig(use_end2end=True)"
@@ -128,10 +129,11 @@ def _stage(g: IRGraph, cfg: MegatronConfig, compute_config: Any, plan: MegatronP
     return nstages
 
 
-def plan(graph: Graph, compute_config: Any) -> tuple[IRGraph, MegatronPlan]:
+def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, MegatronPlan]:
     """The ``megatron`` policy, returning what it decided as well (see the module
     docstring)."""
     cfg = read_config(compute_config)
+    compute_config = as_compute_config(compute_config)  # read_config checked it
     g = _as_graph(graph)
     result = MegatronPlan(cfg)
     if cfg.pp > 1:
@@ -176,7 +178,7 @@ def plan(graph: Graph, compute_config: Any) -> tuple[IRGraph, MegatronPlan]:
     return g, result
 
 
-def megatron(graph: Graph, compute_config: Any) -> IRGraph:
+def megatron(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Megatron-LM's tensor (+ sequence), pipeline and data parallelism, configured by
     ``pas_config`` in Megatron's vocabulary (see :mod:`nnscaler_policy_megatron`)."""
     return plan(graph, compute_config)[0]

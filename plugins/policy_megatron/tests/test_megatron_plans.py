@@ -36,7 +36,8 @@ def traced(kind: str):
 def config(tp: int = 1, pp: int = 1, **pas):
     pas = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
            "pipeline_nmicros": 2, **pas}
-    if pas.get("virtual_pipeline_model_parallel_size", 1) > 1:
+    if (pas.get("virtual_pipeline_model_parallel_size", 1) > 1
+            or "num_layers_per_virtual_pipeline_stage" in pas):
         pas.setdefault("pipeline_scheduler", "1f1b_interleaved")
     return SimpleNamespace(plan_ngpus=tp * pp, runtime_ngpus=tp * pp, use_end2end=True,
                            use_zero=False, pas_config=pas)
@@ -201,3 +202,13 @@ def test_megatron_compute_config_maps_sizes():
     assert (cfg.plan_ngpus, cfg.runtime_ngpus, cfg.use_zero) == (4, 12, True)
     assert cfg.pas_config["pipeline_nmicros"] == 4
     assert cfg.pas_config["data_parallel"] == 3
+
+
+def test_virtual_stages_default_to_the_interleaved_schedule():
+    from nnscaler_policy_megatron import megatron_compute_config
+
+    cfg = megatron_compute_config(pipeline_model_parallel_size=2,
+                                  virtual_pipeline_model_parallel_size=2,
+                                  pas_config={"pipeline_nmicros": 2})
+    assert cfg.pipeline.scheduler == "1f1b_interleaved" and cfg.pipeline.nmicros == 2
+    assert megatron_compute_config(pipeline_model_parallel_size=2).pipeline.scheduler == "1f1b"
