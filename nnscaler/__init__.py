@@ -46,8 +46,8 @@ from nnscaler.parallel import (
     verify,
 )
 from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError
-from nnscaler.parallel.files import GenFilesError
 from nnscaler.parallel.op_checks import CustomOpCheckError
+from nnscaler.parallel.paths import GenFilesError
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies.common import PolicyError
 from nnscaler.runtime.collectives import CollectiveError

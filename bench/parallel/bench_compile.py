@@ -44,11 +44,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from nnscaler import ComputeConfig, parallelize  # noqa: E402
+from nnscaler import (  # noqa: E402
+    ComputeConfig,
+    gendir,  # noqa: E402
+    parallelize,
+)
 from nnscaler.codegen import build_program, emit_files, generate  # noqa: E402
 from nnscaler.graph import IRGraph  # noqa: E402
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch  # noqa: E402
-from nnscaler.parallel import files  # noqa: E402
+from nnscaler.parallel import fingerprint, graph_pickle  # noqa: E402
 from nnscaler.plugins import get_plugin_manager  # noqa: E402
 from nnscaler.trace import trace  # noqa: E402
 
@@ -97,8 +101,8 @@ def phases(model: GPTWithLoss, args: dict) -> dict[str, float]:
         out[name] = out.get(name, 0.0) + time.perf_counter() - start
         return value
 
-    timed("fingerprint", lambda: (files.module_fingerprint(model),
-                                  files.inputs_fingerprint(args)))
+    timed("fingerprint", lambda: (fingerprint.module_fingerprint(model),
+                                  fingerprint.inputs_fingerprint(args)))
     traced = timed("trace", lambda: trace(model, args, strategy=cfg.trace_strategy))
     graph = timed("from_graph", lambda: IRGraph.from_graph(traced))
     planned = timed("policy", lambda: policy(graph, cfg)) or graph
@@ -113,7 +117,7 @@ def phases(model: GPTWithLoss, args: dict) -> dict[str, float]:
                    state=model, compute_config=cfg, forward_signature=signature,
                    program=program)
         out["write_files"] = time.perf_counter() - start - out["generate"]
-        timed("save_graph", lambda: files.save_graph(traced, Path(outdir) / files.GRAPH_FILE))
+        timed("save_graph", lambda: graph_pickle.save_graph(traced, Path(outdir) / gendir.GRAPH_FILE))
     out["total"] = sum(out[p] for p in PHASES)
     out["ops_traced"] = len(traced.ops)
     out["ops_planned"] = len(planned.nodes())

@@ -1,8 +1,9 @@
 """Generated files on disk: ``gencode{rank}.py`` for every rank and ``fullmodel.pt``.
 
 Each file is written atomically (a temporary file in the same directory, then
-``os.replace``), so a reader never sees half a file. ``config.json`` is not written
-here: :func:`nnscaler.parallelize` writes it last, after these files.
+``os.replace``), so a reader never sees half a file. The names are the folder format's
+(:mod:`nnscaler.gendir`); ``config.json`` is not written here: :func:`nnscaler.parallelize`
+writes it last, after these files.
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ from nnscaler.codegen.emit import generate
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.program import Program, build_program
 from nnscaler.config import ComputeConfig
+from nnscaler.gendir import FULLMODEL, gencode_name
 from nnscaler.graph.graph import as_irgraph
 from nnscaler.ir import Graph, TensorKind
 
-FULLMODEL = "fullmodel.pt"
 _loaded = itertools.count()
-
-
-def gencode_name(rank: int) -> str:
-    return f"gencode{rank}.py"
 
 
 def _write_atomic(path: Path, write: Any) -> None:

@@ -23,8 +23,8 @@ from nnscaler.parallel.config import (
     ComputeConfigError,
     ReuseType,
 )
-from nnscaler.parallel.files import GenFilesError
 from nnscaler.parallel.optimizer import OptimizerError, build_optimizer
+from nnscaler.parallel.paths import GenFilesError
 from nnscaler.parallel.verification import Difference, VerifyError, VerifyReport, verify
 from nnscaler.parallel.workers import WorkerError, call_on_every_rank, map_over_ranks
 from nnscaler.runtime.module import ParallelModule

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler import gendir
 from nnscaler.errors import NNScalerError
-from nnscaler.parallel import files, workers
+from nnscaler.parallel import fingerprint, graph_pickle, locks, paths, staging, workers
 from nnscaler.parallel.broadcast import broadcast_gen_files
 from nnscaler.parallel.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
+from nnscaler.parallel.files import GenFilesChangedError, changed_message
 from nnscaler.runtime.module import ParallelModule
 
 __all__ = ["ParallelizeError", "ReuseMismatchError", "parallelize"]
@@ -45,7 +47,7 @@ def _check_module_arg(module_or_module_class: Any, module_fn: Any, module_dtype:
         if not issubclass(module_or_module_class, torch.nn.Module):
             raise TypeError(
                 f"parallelize takes a torch.nn.Module or a subclass of it, got the class "
-                f"{files.class_path(module_or_module_class)}"
+                f"{paths.class_path(module_or_module_class)}"
             )
         if issubclass(module_or_module_class, ParallelModule):
             raise ParallelizeError(
@@ -132,7 +134,7 @@ def _build(cls: type, module_fn: Callable[[], torch.nn.Module] | None,
             raise
     if not isinstance(module, cls):
         raise TypeError(
-            f"module_fn must return an instance of {files.class_path(cls)}, got "
+            f"module_fn must return an instance of {paths.class_path(cls)}, got "
             f"{type(module).__name__}"
         )
     if module_dtype is not None:
@@ -198,20 +200,20 @@ class _Generator:
 
     def run(self) -> bool:
         """Reuse or generate; True when new files were generated."""
-        saved = files.read_config(self.outdir)
-        module_fp = files.module_fingerprint(self.fingerprint_module())
-        inputs_fp = files.inputs_fingerprint(self.args)
-        match = files.match_key(self.config, self.pas_policy, module_fp, inputs_fp)
+        saved = gendir.read_config(self.outdir)
+        module_fp = fingerprint.module_fingerprint(self.fingerprint_module())
+        inputs_fp = fingerprint.inputs_fingerprint(self.args)
+        match = fingerprint.match_key(self.config, self.pas_policy, module_fp, inputs_fp)
         if saved is not None and self.reuse in (ReuseType.MATCH, ReuseType.MOO):
-            differences = files.diff(saved.get("match"), match)
-            changed = [] if differences else files.changed_files(self.outdir, saved)
+            differences = fingerprint.diff(saved.get("match"), match)
+            changed = [] if differences else gendir.changed_files(self.outdir, saved)
             if not differences and not changed:
                 self._warn_stale_weights(saved)
                 return False
             if changed:  # edited after generation: never reused, never run
-                message = files.changed_message(self.outdir, changed, reuse=self.reuse.value)
+                message = changed_message(self.outdir, changed, reuse=self.reuse.value)
                 if self.reuse is ReuseType.MATCH:
-                    raise files.GenFilesChangedError(message)
+                    raise GenFilesChangedError(message)
                 warnings.warn(f"{message}. reuse='moo': regenerating them", stacklevel=3)
             elif self.reuse is ReuseType.MATCH:
                 listed = "\n  ".join(differences)
@@ -233,8 +235,8 @@ class _Generator:
         check_data_dependent(graph.data_dependent, allow=self.config.tracing.allow_data_dependent)
         # ReuseType other than MATCH: what was there goes, even if generation fails below
         # (a MATCH call only gets here when there is no complete directory)
-        files.remove_dir(self.outdir)
-        with files.staging_dir(self.outdir) as tmp:
+        staging.remove_dir(self.outdir)
+        with staging.staging_dir(self.outdir) as tmp:
             planned = self._plan(graph)
             if self.config.check_custom_ops:
                 from nnscaler.parallel.op_checks import check_custom_ops
@@ -242,16 +244,17 @@ class _Generator:
                 check_custom_ops(planned)
             self._emit(planned, tmp)
             try:
-                files.save_graph(graph, tmp / files.GRAPH_FILE)
+                graph_pickle.save_graph(graph, tmp / gendir.GRAPH_FILE)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                (tmp / files.GRAPH_FILE).unlink(missing_ok=True)
+                (tmp / gendir.GRAPH_FILE).unlink(missing_ok=True)
                 warnings.warn(f"the traced graph could not be saved for ReuseType.GRAPH "
                               f"({type(e).__name__}: {e}); GRAPH reuse will trace again",
                               stacklevel=3)
-            files.write_config(tmp, match, module_class=files.class_path(self.cls),
-                               instance_name=self.instance_name,
-                               extra={"graph_key": files.graph_key(match),
-                                      "weights_digest": files.weights_digest(self.module())})
+            gendir.write_config(tmp, gendir.new_config(
+                tmp, match, module_class=paths.class_path(self.cls),
+                instance_name=self.instance_name, versions=fingerprint.versions(),
+                extra={"graph_key": fingerprint.graph_key(match),
+                       "weights_digest": fingerprint.weights_digest(self.module())}))
         return True
 
     def _warn_stale_weights(self, saved: Mapping[str, Any]) -> None:
@@ -259,11 +262,11 @@ class _Generator:
         the module object given now holds other values."""
         if self.is_class:
             return
-        now = files.weights_digest(self.given)
+        now = fingerprint.weights_digest(self.given)
         if now is not None and saved.get("weights_digest") not in (None, now):
             warnings.warn(
                 f"parallelize reused the files in {str(self.outdir)!r}; the parallel module "
-                f"starts from the weights saved with them ({files.WEIGHTS_FILE}), which differ "
+                f"starts from the weights saved with them ({gendir.FULLMODEL}), which differ "
                 f"from the weights {type(self.given).__qualname__} holds now. Load your "
                 f"weights into the parallel module (load_state_dict), or regenerate with "
                 f"reuse='override'",
@@ -271,15 +274,15 @@ class _Generator:
             )
 
     def _saved_graph(self, saved: Mapping[str, Any], match: Mapping[str, Any]) -> Any:
-        path = self.outdir / files.GRAPH_FILE
-        if saved.get("graph_key") != files.graph_key(match) or not path.is_file():
+        path = self.outdir / gendir.GRAPH_FILE
+        if saved.get("graph_key") != fingerprint.graph_key(match) or not path.is_file():
             return None
-        if files.changed_files(self.outdir, saved, [files.GRAPH_FILE]):
-            warnings.warn(f"{files.changed_message(self.outdir, [files.GRAPH_FILE], reuse='graph')}"
+        if gendir.changed_files(self.outdir, saved, [gendir.GRAPH_FILE]):
+            warnings.warn(f"{changed_message(self.outdir, [gendir.GRAPH_FILE], reuse='graph')}"
                           f"; tracing again", stacklevel=3)
             return None
         try:
-            return files.load_graph(path)
+            return graph_pickle.load_graph(path)
         except Exception as e:  # noqa: BLE001 - a stale or foreign pickle: trace again
             warnings.warn(f"the saved graph {str(path)!r} could not be loaded "
                           f"({type(e).__name__}: {e}); tracing again", stacklevel=3)
@@ -317,7 +320,7 @@ class _Generator:
             runtime_ngpus=self.config.runtime_ngpus, state=module,
             end2end=self.config.use_end2end, inference_only=self.config.inference_only,
             compute_config=self.config, forward_signature=inspect.signature(module.forward),
-            origin={"module": files.class_path(self.cls), "policy": self._policy_name()},
+            origin={"module": paths.class_path(self.cls), "policy": self._policy_name()},
         )
 
     def _policy_name(self) -> str:
@@ -380,7 +383,7 @@ def parallelize(
                         f"{type(compute_config).__name__}")
     reuse = ReuseType.parse(reuse, "reuse")
     strategy = BroadcastGenFilesStrategy.parse(broadcast_strategy, "broadcast_strategy")
-    files.check_instance_name(instance_name)
+    paths.check_instance_name(instance_name)
     for name, value in (("load_module", load_module), ("init_module_params", init_module_params)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -409,7 +412,7 @@ def parallelize(
             f"is not initialized; use broadcast_strategy='none' outside torchrun"
         )
     module_class = module_or_module_class if is_class else type(module_or_module_class)
-    outdir = files.outdir_for(gen_savedir, module_class, instance_name)
+    outdir = paths.outdir_for(gen_savedir, module_class, instance_name)
 
     # -- generation: rank 0 (or this process alone), holding the instance's lock from
     # the reuse decision until every rank has loaded (two jobs sharing gen_savedir) --
@@ -417,8 +420,8 @@ def parallelize(
         if rank == 0:
             outcome: Any
             try:
-                files.check_writable(gen_savedir)
-                held.enter_context(files.instance_lock(outdir))
+                paths.check_writable(gen_savedir)
+                held.enter_context(locks.instance_lock(outdir))
                 gen = _Generator(module_or_module_class, is_class, dummy_forward_args,
                                  pas_policy, policy_fn, compute_config, outdir, reuse,
                                  instance_name, module_fn, module_dtype)
@@ -451,8 +454,7 @@ def parallelize(
 def _code_digests(outdir: Path) -> dict[str, str]:
     """The sha256 of every ``gencode*.py`` as recorded in ``config.json`` (checked
     against the files by the reuse decision, or just written)."""
-    saved = files.read_config(outdir) or {}
-    return {n: d for n, d in saved.get("sha256", {}).items() if n.startswith("gencode")}
+    return gendir.code_digests(gendir.read_config(outdir))
 
 
 def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
@@ -461,12 +463,12 @@ def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
     generated or checked (sha256); every rank fails together if one cannot load."""
     from nnscaler.codegen import load_generated_class
 
-    name = files.gencode_name(rank)
+    name = gendir.gencode_name(rank)
     path = outdir / name
     status = "ok"
     if not path.is_file():
         status = "missing"
-    elif digests.get(name) != files.file_digest(path):
+    elif digests.get(name) != gendir.file_digest(path):
         status = "changed"
     everyone = [status]
     if dist.is_available() and dist.is_initialized():  # fail together, not hang in __init__
@@ -476,19 +478,19 @@ def _load(outdir: Path, rank: int, is_class: bool, init_module_params: bool,
     changed = [r for r, s in enumerate(everyone) if s == "changed"]
     if missing:
         where = f"{str(path)!r} does not exist" if status == "missing" else (
-            f"their {files.gencode_name(missing[0])} is not in their gen_savedir")
+            f"their {gendir.gencode_name(missing[0])} is not in their gen_savedir")
         raise ParallelizeError(
             f"rank(s) {missing} cannot load their generated code: {where}. With "
             f"broadcast_strategy='none' the files rank 0 generated must reach every node (a "
             f"shared gen_savedir, or copy them); or pass broadcast_strategy='all'"
         )
     if changed:
-        where = (f"{str(path)!r} (sha256 {files.file_digest(path)[:12]}...)"
-                 if status == "changed" else f"their {files.gencode_name(changed[0])}")
-        raise files.GenFilesChangedError(
+        where = (f"{str(path)!r} (sha256 {gendir.file_digest(path)[:12]}...)"
+                 if status == "changed" else f"their {gendir.gencode_name(changed[0])}")
+        raise GenFilesChangedError(
             f"rank(s) {changed} will not run their generated code: {where} is not the file "
             f"rank 0 generated or checked (sha256 {digests.get(name, '?')[:12]}... in "
-            f"{files.CONFIG_FILE}); it was changed after generation. Fix: regenerate with "
+            f"{gendir.CONFIG_FILE}); it was changed after generation. Fix: regenerate with "
             f"reuse='override', or make every node's copy the one in rank 0's gen_savedir"
         )
     cls = load_generated_class(outdir, rank)

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler import gendir
 from nnscaler.errors import NNScalerError
-from nnscaler.parallel import files
+from nnscaler.parallel import staging
 from nnscaler.parallel.config import BroadcastGenFilesStrategy
 from nnscaler.runtime.module import ParallelModule
 
@@ -52,12 +53,12 @@ def selected_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> list[st
     """The files of ``outdir`` that ``strategy`` sends, ``config.json`` last."""
     names = sorted(p.name for p in outdir.iterdir() if p.is_file())
     if strategy is BroadcastGenFilesStrategy.CODE:
-        names = [n for n in names if n.startswith("gencode") and n.endswith(".py")]
+        names = [n for n in names if gendir.is_gencode(n)]
     elif strategy is BroadcastGenFilesStrategy.NO_WEIGHTS:
-        names = [n for n in names if n != files.WEIGHTS_FILE]
+        names = [n for n in names if n != gendir.FULLMODEL]
     elif strategy is BroadcastGenFilesStrategy.NONE:
         names = []
-    return sorted(names, key=lambda n: (n == files.CONFIG_FILE, n))
+    return sorted(names, key=lambda n: (n == gendir.CONFIG_FILE, n))
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -122,12 +123,12 @@ def broadcast_gen_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> No
 
 def _write_received(outdir: Path, received: list[tuple[str, bytes]], *, replace: bool) -> None:
     if replace:
-        with files.staging_dir(outdir) as tmp:
+        with staging.staging_dir(outdir) as tmp:
             for name, data in received:
                 (tmp / name).write_bytes(data)
         return
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / files.CONFIG_FILE).unlink(missing_ok=True)  # incomplete while writing
+    (outdir / gendir.CONFIG_FILE).unlink(missing_ok=True)  # incomplete while writing
     for name, data in received:
         tmp = outdir / f".{name}.tmp"
         tmp.write_bytes(data)

@@ -311,7 +311,8 @@ def _run_rank(outdir: str, rank: int, args: Mapping[str, Any], end2end: bool,
     recording; return the records (``vars``) and, but under ZeRO (where they live in
     the optimizer's shards), the gradients of its parameter pieces after the reducers
     (``params``: attribute -> (its :class:`~nnscaler.runtime.module.AttrMeta`, gradient))."""
-    from nnscaler.codegen.files import gencode_name, load_generated_class
+    from nnscaler.codegen.files import load_generated_class
+    from nnscaler.gendir import gencode_name
 
     cls = load_generated_class(outdir, rank)
     model = cls()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.gendir import gencode_name
 from nnscaler.layout import Layout, Plan
 from nnscaler.layout import plan as make_plan
 from nnscaler.runtime.adapters import execute_plan, plan_groups
@@ -192,7 +193,7 @@ class Adapter:
             raise CollectiveError(
                 f"{self!r} was called on rank {rank}, which takes no part in it (its ranks "
                 f"are {sorted(set(self.src.devices) | set(self.dst.devices))}); generated code "
-                f"calls an adapter only on its ranks: load gencode{rank}.py on rank {rank}"
+                f"calls an adapter only on its ranks: load {gencode_name(rank)} on rank {rank}"
             )
         return out
 

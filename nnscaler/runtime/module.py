@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler.config import ReducerConfig
 from nnscaler.errors import NNScalerError
+from nnscaler.gendir import FULLMODEL, gencode_name
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
 from nnscaler.runtime.partgroup import ProcessPartGroup
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AttrMeta", "ParallelModule", "ParallelModuleError"]
 
-FULLMODEL = "fullmodel.pt"
 
 
 class ParallelModuleError(NNScalerError, RuntimeError):
@@ -231,7 +231,7 @@ class ParallelModule(torch.nn.Module):
         if rank != self.rank:
             raise ParallelModuleError(
                 f"{name} is the program of rank {self.rank}, but this process is rank {rank}; "
-                f"load gencode{rank}.py on rank {rank}"
+                f"load {gencode_name(rank)} on rank {rank}"
             )
 
     def _load_initial(self) -> None:

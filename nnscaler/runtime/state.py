@@ -28,7 +28,6 @@ and tensors, so ``torch.load(..., weights_only=True)`` reads it.
 from __future__ import annotations
 
 import ast
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nnscaler import gendir
 from nnscaler.errors import CheckpointError, StateDictMismatchError
+from nnscaler.gendir import FULLMODEL, gencode_name
 
 if TYPE_CHECKING:
     from nnscaler.runtime.module import AttrMeta, ParallelModule
@@ -61,8 +62,6 @@ __all__ = [
 FORMAT = 1
 MARKER = "nnscaler_checkpoint"
 EXTRA_KEY = "_extra_state"
-CONFIG_FILE = "config.json"
-FULLMODEL = "fullmodel.pt"
 _ADD_CALLS = ("add_param", "add_buffer", "add_constant")
 _INFO_ATTR = "_nnscaler_checkpoint_info"
 _UNHELD_ATTR = "_nnscaler_unheld"
@@ -170,7 +169,7 @@ def _held_by_plan(gen_dir: Path, plan_ngpus: int) -> list[tuple[str, ...]] | Non
     groups: list[tuple[str, ...]] = []
     for device in range(plan_ngpus):
         try:
-            tree = ast.parse((gen_dir / f"gencode{device}.py").read_text())
+            tree = ast.parse((gen_dir / gencode_name(device)).read_text())
         except (OSError, SyntaxError, ValueError):
             return None
         for node in ast.walk(tree):
@@ -185,17 +184,6 @@ def _held_by_plan(gen_dir: Path, plan_ngpus: int) -> list[tuple[str, ...]] | Non
                 return None
             groups.append(tuple(str(n) for n in names))
     return groups
-
-
-def _read_config(gen_dir: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((gen_dir / CONFIG_FILE).read_text())
-        module = data["match"]["module"]
-        if not isinstance(module["parameters"], list) or not isinstance(module["buffers"], list):
-            return None
-        return data
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _union(groups: Sequence[Sequence[str]]) -> dict[str, str]:
@@ -234,11 +222,12 @@ def _shared_storage_groups(gen_dir: Path, names: set[str]) -> list[tuple[str, ..
 
 def _build_manifest(pm: ParallelModule) -> _PlanInfo:
     gen_dir = Path(pm.generated_dir())
-    config = _read_config(gen_dir)
-    if config is None:
+    config = gendir.read_config(gen_dir, complete=False)
+    rows = None if config is None else gendir.saved_state_rows(config)
+    if config is None or rows is None:
         return _PlanInfo(None, None)
     module_class = config.get("module_class")
-    module = config["match"]["module"]
+    parameters, buffers = rows
     held_groups = _held_by_plan(gen_dir, int(pm.plan_ngpus))
     own_groups = [tuple(m.names) for m in pm.fullmap.values()]
     held: set[str] | None = None
@@ -249,11 +238,10 @@ def _build_manifest(pm: ParallelModule) -> _PlanInfo:
     entries: list[dict[str, Any]] = []
     seen: set[str] = set()
     try:
-        all_names = {str(row[0]) for rows in (module["parameters"], module["buffers"])
-                     for row in rows}
+        all_names = {str(row[0]) for rows in (parameters, buffers) for row in rows}
         groups += _shared_storage_groups(gen_dir, all_names - (held or set()))
         root = _union([g for g in groups if g])
-        for kind, rows in (("parameter", module["parameters"]), ("buffer", module["buffers"])):
+        for kind, rows in (("parameter", parameters), ("buffer", buffers)):
             tied: dict[str, list[str]] = {}  # group root -> its names, in the module's order
             for row in rows:
                 tied.setdefault(root.get(str(row[0]), str(row[0])), []).append(str(row[0]))

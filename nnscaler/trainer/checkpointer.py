@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
+from nnscaler.gendir import gencode_name
 from nnscaler.trainer import ckpt_layout as layout
 from nnscaler.trainer.collective import agree, barrier, gather
 from nnscaler.trainer.errors import TrainerError
@@ -49,7 +50,7 @@ class Checkpointer:
     def plan_fingerprint(self) -> str:
         """A digest of this rank's generated code: equal digests, equal plan."""
         t = self.trainer
-        path = Path(type(t.model).generated_dir()) / f"gencode{t.rank}.py"
+        path = Path(type(t.model).generated_dir()) / gencode_name(t.rank)
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
     def status(self) -> dict[str, Any]:

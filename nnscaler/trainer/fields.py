@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, Union
 
-
 from nnscaler.config import ComputeConfig, ComputeConfigError
 from nnscaler.trainer.errors import ConfigError
 

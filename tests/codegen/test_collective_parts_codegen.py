@@ -22,7 +22,7 @@ from nnscaler.graph import IRGraph
 from nnscaler.models import MLP, MLPConfig
 from nnscaler.models import mlp as mlp_module
 from nnscaler.ops.builtin.loss import CLASS_PARALLEL_CE
-from nnscaler.parallel import files
+from nnscaler.parallel import paths
 from nnscaler.trace import trace
 
 GROUP = "group=self.part_group((0, 1))"
@@ -61,7 +61,7 @@ def test_tp_policy_emits_the_part_group(tmp_path):
     parallelize(MLP(config), {"batch": mlp_module.make_batch(config, 4)}, "tp",
                 ComputeConfig(plan_ngpus=2, runtime_ngpus=4), gen_savedir=tmp_path,
                 load_module=False)
-    out = files.outdir_for(tmp_path, MLP, None)
+    out = paths.outdir_for(tmp_path, MLP, None)
     for rank in range(4):
         src = unwrap((out / f"gencode{rank}.py").read_text())
         (line,) = _loss_lines(src)

@@ -17,7 +17,7 @@ import nnscaler
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.codegen.wrap import WIDTH, unwrap, wrap_code, wrap_lines
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
-from nnscaler.parallel import files
+from nnscaler.parallel import paths
 
 PUBLIC = {"torch", "torch.nn.functional", "nnscaler.runtime", "nnscaler.runtime.ops"}
 
@@ -30,7 +30,7 @@ def tp_files(tmp_path_factory):
     parallelize(GPTWithLoss(config), {"batch": make_batch(config, 2)}, "tp",
                 ComputeConfig(plan_ngpus=2, runtime_ngpus=2), gen_savedir=out,
                 load_module=False)
-    folder = files.outdir_for(out, GPTWithLoss, None)
+    folder = paths.outdir_for(out, GPTWithLoss, None)
     return [(folder / f"gencode{rank}.py").read_text() for rank in range(2)]
 
 

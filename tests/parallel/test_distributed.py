@@ -12,7 +12,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from nnscaler.parallel import files
+from nnscaler import gendir
+from nnscaler.parallel import paths, staging
 
 from .common import ADAM, make_batch, make_model, reference_train, samples
 
@@ -62,9 +63,9 @@ def test_rank0_failures_reach_every_rank(tmp_path):
         assert "runtime_ngpus (4) must equal the number of processes" in out["world"]
     from nnscaler.models.mlp import MLP
 
-    out = files.outdir_for(tmp_path, MLP, None)
-    assert files.read_config(out)["match"]["compute_config"]["runtime_ngpus"] == 4
-    assert files.leftover_dirs(out) == []
+    out = paths.outdir_for(tmp_path, MLP, None)
+    assert gendir.read_config(out)["match"]["compute_config"]["runtime_ngpus"] == 4
+    assert staging.leftover_dirs(out) == []
 
 
 # -- broadcast strategies -------------------------------------------------------------------
@@ -85,7 +86,7 @@ def _broadcast_worker(rank, world, root, strategy, separate_nodes):
     init = strategy == "all" or rank == 0
     pm = _run(gen_savedir=gen_savedir, broadcast_strategy=strategy, load_module=load,
               init_module_params=init)
-    out = files.outdir_for(gen_savedir, MLP, None)
+    out = paths.outdir_for(gen_savedir, MLP, None)
     names = sorted(p.name for p in out.iterdir()) if out.exists() else []
     if pm is not None:
         if strategy in ("no_weights", "code"):
@@ -94,7 +95,7 @@ def _broadcast_worker(rank, world, root, strategy, separate_nodes):
         torch.testing.assert_close(pm(batch), make_model("mlp")(batch))
     # reused files are never broadcast: remove this node's copy and ask again
     if separate_nodes and rank == 1:
-        files.remove_dir(out)
+        staging.remove_dir(out)
     _run(gen_savedir=gen_savedir, broadcast_strategy=strategy, load_module=False)
     return names, out.exists()
 

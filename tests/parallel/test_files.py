@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from nnscaler import ComputeConfig
+from nnscaler import ComputeConfig, gendir
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
-from nnscaler.parallel import files
+from nnscaler.parallel import fingerprint, graph_pickle, paths, staging
 from nnscaler.trace import trace
 
 
@@ -26,87 +26,88 @@ class Tiny(nn.Module):
 
 
 def test_outdir_layout(tmp_path):
-    out = files.outdir_for(tmp_path, Tiny, None)
+    out = paths.outdir_for(tmp_path, Tiny, None)
     assert out == tmp_path.joinpath("_parallel_modules", *Tiny.__module__.split("."), "Tiny", "_")
 
     class Local(nn.Module):
         pass
 
-    out = files.outdir_for(tmp_path, Local, "tp2")
+    out = paths.outdir_for(tmp_path, Local, "tp2")
     assert out.name == "tp2" and out.parent.name == "Local"
     assert out.parent.parent.name == "_locals_"  # '<locals>' made safe
     for bad in ("", ".", "..", ".hidden", "a/b", 3):
         with pytest.raises(ValueError, match="instance_name"):
-            files.check_instance_name(bad)
-    files.check_instance_name("ok-name_1.2")
+            paths.check_instance_name(bad)
+    paths.check_instance_name("ok-name_1.2")
 
 
 def test_check_writable(tmp_path):
-    files.check_writable(tmp_path / "new" / "dir")
+    paths.check_writable(tmp_path / "new" / "dir")
     assert (tmp_path / "new" / "dir").is_dir() and not os.listdir(tmp_path / "new" / "dir")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(files.GenFilesError, match="cannot be created"):
-        files.check_writable(blocker / "sub")
-    with pytest.raises(files.GenFilesError, match="is not a directory"):
-        files.check_writable(blocker)
+    with pytest.raises(paths.GenFilesError, match="cannot be created"):
+        paths.check_writable(blocker / "sub")
+    with pytest.raises(paths.GenFilesError, match="is not a directory"):
+        paths.check_writable(blocker)
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir()
         ro.chmod(0o500)
-        with pytest.raises(files.GenFilesError, match="not writable"):
-            files.check_writable(ro)
+        with pytest.raises(paths.GenFilesError, match="not writable"):
+            paths.check_writable(ro)
 
 
 def test_fingerprints_and_diff():
     cfg = ComputeConfig(plan_ngpus=1, runtime_ngpus=2)
-    a = files.match_key(cfg, "dp", files.module_fingerprint(Tiny()),
-                        files.inputs_fingerprint({"x": torch.randn(2, 4)}))
-    b = files.match_key(cfg, "dp", files.module_fingerprint(Tiny()),
-                        files.inputs_fingerprint({"x": torch.zeros(2, 4)}))
+    a = fingerprint.match_key(cfg, "dp", fingerprint.module_fingerprint(Tiny()),
+                        fingerprint.inputs_fingerprint({"x": torch.randn(2, 4)}))
+    b = fingerprint.match_key(cfg, "dp", fingerprint.module_fingerprint(Tiny()),
+                        fingerprint.inputs_fingerprint({"x": torch.zeros(2, 4)}))
     assert a == b  # values do not matter, shapes do
-    c = files.match_key(ComputeConfig(plan_ngpus=1, runtime_ngpus=4), "tp",
-                        files.module_fingerprint(Tiny(8)),
-                        files.inputs_fingerprint({"x": torch.randn(3, 8)}))
-    lines = files.diff(a, c)
+    c = fingerprint.match_key(ComputeConfig(plan_ngpus=1, runtime_ngpus=4), "tp",
+                        fingerprint.module_fingerprint(Tiny(8)),
+                        fingerprint.inputs_fingerprint({"x": torch.randn(3, 8)}))
+    lines = fingerprint.diff(a, c)
     text = "\n".join(lines)
     assert "compute_config.runtime_ngpus: saved 2, now 4" in text
     assert 'policy.name: saved "dp", now "tp"' in text
     assert "module.parameters[0]" in text and "inputs.x.tensor" in text
-    assert files.diff(a, a) == []
-    assert files.module_fingerprint(Tiny().eval())["training"] is False
-    assert files.module_fingerprint(Tiny())["buffers"] == [["scale", [4], "torch.float32", False]]
+    assert fingerprint.diff(a, a) == []
+    assert fingerprint.module_fingerprint(Tiny().eval())["training"] is False
+    assert fingerprint.module_fingerprint(Tiny())["buffers"] == [["scale", [4], "torch.float32", False]]
 
 
 def test_policy_identity_tracks_source():
     def pol(graph, cfg):
         return graph
 
-    ident = files.policy_identity(pol)
+    ident = fingerprint.policy_identity(pol)
     assert ident["callable"].endswith("test_policy_identity_tracks_source.<locals>.pol")
     assert "source_sha256" in ident
-    assert files.policy_identity("tp") == {"name": "tp"}
+    assert fingerprint.policy_identity("tp") == {"name": "tp"}
 
 
 def test_config_json_and_completeness(tmp_path):
     out = tmp_path / "out"
-    assert files.read_config(out) is None
-    with files.staging_dir(out) as tmp:
+    assert gendir.read_config(out) is None
+    with staging.staging_dir(out) as tmp:
         (tmp / "gencode0.py").write_text("x = 1\n")
-        files.write_config(tmp, {"k": 1}, module_class="m.C", instance_name=None)
-    data = files.read_config(out)
+        gendir.write_config(tmp, gendir.new_config(tmp, {"k": 1}, module_class="m.C",
+                                                   instance_name=None, versions={}))
+    data = gendir.read_config(out)
     assert data is not None and data["files"] == ["gencode0.py"] and data["match"] == {"k": 1}
-    assert not files.leftover_dirs(out)
+    assert not staging.leftover_dirs(out)
     (out / "gencode0.py").unlink()
-    assert files.read_config(out) is None  # a listed file is missing: incomplete
+    assert gendir.read_config(out) is None  # a listed file is missing: incomplete
 
 
 def test_staging_failure_leaves_nothing(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match="boom"), files.staging_dir(out) as tmp:
+    with pytest.raises(RuntimeError, match="boom"), staging.staging_dir(out) as tmp:
         (tmp / "gencode0.py").write_text("x = 1\n")
         raise RuntimeError("boom")
-    assert not out.exists() and not files.leftover_dirs(out)
+    assert not out.exists() and not staging.leftover_dirs(out)
 
 
 def test_graph_pickle_round_trip(tmp_path):
@@ -116,7 +117,7 @@ def test_graph_pickle_round_trip(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = trace(model, {"batch": batch})
-    files.save_graph(graph, tmp_path / "graph.pkl")
-    again = files.load_graph(tmp_path / "graph.pkl")
+    graph_pickle.save_graph(graph, tmp_path / "graph.pkl")
+    again = graph_pickle.load_graph(tmp_path / "graph.pkl")
     assert str(again) == str(graph)
     assert [op.opdef is not None for op in again.ops] == [op.opdef is not None for op in graph.ops]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from nnscaler import ComputeConfig, parallelize
-from nnscaler.parallel import files
+from nnscaler import ComputeConfig, gendir, parallelize
+from nnscaler.parallel import files, locks, paths, staging
 
 pytestmark = pytest.mark.filterwarnings("ignore::nnscaler.trace.OpaqueOpWarning")
 
@@ -45,19 +45,19 @@ def _make(tmp_path, **kwargs):
 # -- hashes ------------------------------------------------------------------------------
 def test_config_records_the_sha256_of_every_file(tmp_path):
     _make(tmp_path, load_module=False)
-    out = files.outdir_for(tmp_path, Tiny, None)
-    saved = files.read_config(out)
+    out = paths.outdir_for(tmp_path, Tiny, None)
+    saved = gendir.read_config(out)
     assert sorted(saved["sha256"]) == saved["files"] == sorted(
-        p.name for p in out.iterdir() if p.name != files.CONFIG_FILE)
+        p.name for p in out.iterdir() if p.name != gendir.CONFIG_FILE)
     for name, digest in saved["sha256"].items():
-        assert files.file_digest(out / name) == digest
-    assert files.changed_files(out, saved) == []
+        assert gendir.file_digest(out / name) == digest
+    assert gendir.changed_files(out, saved) == []
 
 
 def test_code_appended_to_a_generated_file_never_runs(tmp_path):
     """The issue's case: code appended to gencode0.py ran on the next reuse='match'."""
     model, pm, x = _make(tmp_path)
-    out = files.outdir_for(tmp_path, Tiny, None)
+    out = paths.outdir_for(tmp_path, Tiny, None)
     marker = tmp_path / "ran"
     with open(out / "gencode0.py", "a") as f:
         f.write(f"\nopen({str(marker)!r}, 'w').write('x')\n")
@@ -76,7 +76,7 @@ def test_code_appended_to_a_generated_file_never_runs(tmp_path):
 
 def test_an_edit_accepted_on_purpose_is_reused(tmp_path):
     _make(tmp_path, load_module=False)
-    out = files.outdir_for(tmp_path, Tiny, None)
+    out = paths.outdir_for(tmp_path, Tiny, None)
     with open(out / "gencode0.py", "a") as f:
         f.write("\n# reviewed by hand\n")
     assert files.accept_edited_files(out) == ["gencode0.py"]
@@ -90,7 +90,7 @@ def test_each_rank_checks_its_file_before_running_it(tmp_path):
     from nnscaler.parallel.api import _load
 
     _make(tmp_path, load_module=False)
-    out = files.outdir_for(tmp_path, Tiny, None)
+    out = paths.outdir_for(tmp_path, Tiny, None)
     digests = {"gencode0.py": "0" * 64}
     with pytest.raises(files.GenFilesChangedError, match=r"rank\(s\) \[0\] will not run"):
         _load(out, 0, False, True, digests)
@@ -98,12 +98,12 @@ def test_each_rank_checks_its_file_before_running_it(tmp_path):
 
 def test_graph_reuse_refuses_a_changed_graph_file(tmp_path):
     _make(tmp_path, load_module=False)
-    out = files.outdir_for(tmp_path, Tiny, None)
-    with open(out / files.GRAPH_FILE, "ab") as f:
+    out = paths.outdir_for(tmp_path, Tiny, None)
+    with open(out / gendir.GRAPH_FILE, "ab") as f:
         f.write(b"junk")
     with pytest.warns(UserWarning, match=r"graph\.pkl differ.*tracing again"):
         _make(tmp_path, reuse="graph", load_module=False)
-    assert files.changed_files(out, files.read_config(out)) == []
+    assert gendir.changed_files(out, gendir.read_config(out)) == []
 
 
 # -- stale leftovers ---------------------------------------------------------------------
@@ -115,7 +115,7 @@ def _dead_pid() -> int:
 
 def test_leftovers_of_killed_processes_are_removed_by_the_next_run(tmp_path):
     _make(tmp_path, load_module=False)
-    out = files.outdir_for(tmp_path, Tiny, None)
+    out = paths.outdir_for(tmp_path, Tiny, None)
     dead = _dead_pid()
     stale = [out.with_name(f".{out.name}.tmp-{dead}-0123abcd"),
              out.with_name(f".{out.name}.old-{dead}-4567abcd")]
@@ -125,27 +125,27 @@ def test_leftovers_of_killed_processes_are_removed_by_the_next_run(tmp_path):
         (d / "gencode0.py").write_text("partial")
     (out / ".gencode0.py.tmp").write_text("partial")
     _make(tmp_path, reuse="override", load_module=False)
-    assert files.leftover_dirs(out) == [live]
+    assert staging.leftover_dirs(out) == [live]
     assert not (out / ".gencode0.py.tmp").exists()
 
 
 # -- the lock ----------------------------------------------------------------------------
 def test_a_held_lock_makes_parallelize_wait_and_say_so(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(files, "LOCK_NOTICE_S", 0.1)
-    monkeypatch.setattr(files, "LOCK_TIMEOUT_S", 0.5)
-    out = files.outdir_for(tmp_path, Tiny, None)
-    with files.instance_lock(out):  # another job, as far as the lock can tell
-        with pytest.raises(files.GenFilesLockedError,
+    monkeypatch.setattr(locks, "LOCK_NOTICE_S", 0.1)
+    monkeypatch.setattr(locks, "LOCK_TIMEOUT_S", 0.5)
+    out = paths.outdir_for(tmp_path, Tiny, None)
+    with locks.instance_lock(out):  # another job, as far as the lock can tell
+        with pytest.raises(locks.GenFilesLockedError,
                            match=rf"locked by process {os.getpid()} on host .* waited 0 s .* "
                                  rf"instance_name="):
             _make(tmp_path)
     assert "waiting for the lock" in caplog.text and "another job" in caplog.text
     # released a moment later: the waiter goes on
-    monkeypatch.setattr(files, "LOCK_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(locks, "LOCK_TIMEOUT_S", 60.0)
     held = threading.Event()
 
     def hold_briefly() -> None:
-        with files.instance_lock(out):
+        with locks.instance_lock(out):
             held.set()
             time.sleep(0.5)
 
@@ -224,6 +224,6 @@ def test_two_jobs_sharing_gen_savedir_take_turns(tmp_path):
     for r in results:
         assert r[1]["start"] is None  # match: reused, not generated again
         assert r[0]["same"] and r[1]["same"]
-    out = next((tmp_path / "gen").rglob(files.CONFIG_FILE)).parent
-    assert files.changed_files(out, files.read_config(out)) == []
-    assert files.leftover_dirs(out) == []
+    out = next((tmp_path / "gen").rglob(gendir.CONFIG_FILE)).parent
+    assert gendir.changed_files(out, gendir.read_config(out)) == []
+    assert staging.leftover_dirs(out) == []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nnscaler
-from nnscaler import ComputeConfig, ParallelModule, ReuseType, parallelize
+from nnscaler import ComputeConfig, ParallelModule, ReuseType, gendir, parallelize
 from nnscaler.errors import UnknownNameError
 from nnscaler.graph import PlanCheckError
 from nnscaler.parallel import (
@@ -19,7 +19,8 @@ from nnscaler.parallel import (
     GenFilesError,
     ParallelizeError,
     ReuseMismatchError,
-    files,
+    paths,
+    staging,
 )
 from nnscaler.trace import ForwardSignatureError
 
@@ -38,15 +39,15 @@ def batch():
 def outdir(tmp_path, cls=None, instance=None):
     from nnscaler.models.mlp import MLP
 
-    return files.outdir_for(tmp_path, cls or MLP, instance)
+    return paths.outdir_for(tmp_path, cls or MLP, instance)
 
 
 def assert_clean(tmp_path, cls=None, instance=None):
     """No directory that MATCH would reuse, and no temporary leftovers."""
     out = outdir(tmp_path, cls, instance)
-    assert files.read_config(out) is None
+    assert gendir.read_config(out) is None
     assert not out.exists()
-    assert files.leftover_dirs(out) == []
+    assert staging.leftover_dirs(out) == []
 
 
 class Counter:
@@ -175,7 +176,7 @@ def test_match_with_a_different_config_is_an_error(tmp_path, batch):
                         load_module=False)
         assert "reuse='override'" in str(info.value)
         assert (out / "config.json").read_text() == saved  # left as it was
-        assert files.leftover_dirs(out) == []
+        assert staging.leftover_dirs(out) == []
 
 
 def test_override_and_moo_regenerate(tmp_path, batch, monkeypatch):

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnscaler import ComputeConfig, parallelize
-from nnscaler.parallel import files
+from nnscaler import ComputeConfig, gendir, parallelize
+from nnscaler.parallel import paths
 from nnscaler.trace import trace
 
 pytestmark = pytest.mark.filterwarnings("ignore::nnscaler.trace.OpaqueOpWarning")
@@ -83,7 +83,7 @@ def test_parallelize_saves_the_users_weights_and_trains_like_eager(tmp_path):
                      gen_savedir=tmp_path)
     for name, value in state_of(model).items():  # the user's object is untouched
         assert torch.equal(value, before[name]), name
-    saved = torch.load(files.outdir_for(tmp_path, TinyResNet, None) / files.WEIGHTS_FILE,
+    saved = torch.load(paths.outdir_for(tmp_path, TinyResNet, None) / gendir.FULLMODEL,
                        weights_only=True)
     assert saved.keys() == before.keys()
     for name, value in before.items():  # and so are the initial weights the plan saved
