@@ -17,6 +17,7 @@ and meanings follow nnScaler's ``nnscaler.cli.trainer_args``, the import path us
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from nnscaler.trainer.fields import (
 )
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "ONE_DEVICE_POLICY",
     "AggregatedOutputs",
     "CheckpointConfig",
     "ComputeConfig",
@@ -50,8 +53,43 @@ __all__ = [
     "OptimizerConfig",
     "TrainerArgs",
     "TypeRef",
+    "default_policy",
     "resolve_object",
 ]
+
+
+_log = logging.getLogger("nnscaler.cli.trainer")
+
+#: The Trainer's default policy, as in nnScaler: from the ``nnscaler-policy-autodist``
+#: plugin.
+DEFAULT_POLICY = "autodist"
+#: What the default becomes when that plugin is not installed and a plan has one device.
+ONE_DEVICE_POLICY = "dp"
+
+
+def default_policy(compute_config: ComputeConfig, registered: Any = None) -> str:
+    """The policy the Trainer runs when ``pas_policy`` is left at :data:`DEFAULT_POLICY`.
+
+    ``autodist`` when it is registered (``registered``: the policy names, default the
+    plugin manager's). Without it (``pip install nnscaler`` alone), a plan of one device
+    (``plan_ngpus == 1``) with no ``pas_config`` leaves autodist a single choice, every op
+    whole on the unit's one device with the units running data parallel, which is what
+    the built-in :data:`ONE_DEVICE_POLICY` (``'dp'``) plans: the Trainer runs that, and
+    says so. Any other config keeps ``autodist``, whose lookup then names the package to
+    install.
+    """
+    if compute_config.plan_ngpus != 1 or compute_config.pas_config:
+        return DEFAULT_POLICY
+    if registered is None:
+        from nnscaler.plugins import get_plugin_manager
+
+        registered = get_plugin_manager().policies
+    if DEFAULT_POLICY in registered:
+        return DEFAULT_POLICY
+    _log.info("pas_policy: %r is not installed (pip install nnscaler-policy-autodist); with "
+              "plan_ngpus=1 it has one choice, the one of the built-in policy %r: using %r",
+              DEFAULT_POLICY, ONE_DEVICE_POLICY, ONE_DEVICE_POLICY)
+    return ONE_DEVICE_POLICY
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -315,7 +353,7 @@ class TrainerArgs(Checked):
 
     gen_savedir: str = "./.nnscaler"
     gen_reuse: str = "auto"
-    pas_policy: str | Callable[..., Any] = "autodist"
+    pas_policy: str | Callable[..., Any] = DEFAULT_POLICY
     broadcast_strategy: str = "all"
     instance_name: str | None = None
     run_mode: str = "run"
@@ -394,6 +432,8 @@ class TrainerArgs(Checked):
                 resolve_object(ref, prefix + key)
         if not isinstance(self.pas_policy, str):
             return
+        if self.pas_policy == DEFAULT_POLICY:
+            self.pas_policy = default_policy(self.compute_config)
         if "." in self.pas_policy:
             resolve_object(self.pas_policy, prefix + "pas_policy")
 

@@ -39,19 +39,14 @@ def _torchrun(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
-def _autodist_registered() -> bool:
-    from nnscaler.plugins import get_plugin_manager
-
-    return "autodist" in get_plugin_manager().policies
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _autodist_registered(),
-                    reason="the quickstart uses the default policy 'autodist', which is not "
-                           "registered here: pip install ./plugins/policy_autodist")
-def test_quickstart_unchanged_under_torchrun(tmp_path):
+@pytest.mark.parametrize("plugins", ["installed", "kernel only"])
+def test_quickstart_unchanged_under_torchrun(tmp_path, plugins):
+    # "kernel only": no entry-point plugin loads, as after `pip install nnscaler` alone; the
+    # default policy 'autodist' then falls back to 'dp' (plan_ngpus=1, docs/trainer.md)
+    env = {"NNSCALER_DISABLE_PLUGIN_AUTOLOAD": "1"} if plugins == "kernel only" else None
     shutil.copy(REPO / "examples" / "quickstart" / "model.py", tmp_path / "model.py")
-    proc = _torchrun(["model.py"], tmp_path)
+    proc = _torchrun(["model.py"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Reached max train steps(10): Training is done." in proc.stderr
     folder = tmp_path / "checkpoints" / "0000-0010"
