@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from nnscaler.config import DEFAULT_BUCKET_CAP_MB
 from nnscaler.layout import Plan
 
 __all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_comm"]
@@ -27,8 +28,8 @@ __all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_
 logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
 GB = 1024**3
-#: The reducer's bucket size: gradients share one collective's latency per bucket.
-BUCKET_BYTES = 25 * 1024 * 1024
+#: The reducer's default bucket size: gradients share one collective's latency per bucket.
+BUCKET_BYTES = int(DEFAULT_BUCKET_CAP_MB * 1024 * 1024)
 
 
 @attrs.frozen(kw_only=True)
