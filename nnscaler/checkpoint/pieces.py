@@ -30,6 +30,7 @@ from nnscaler.checkpoint.collective import agree, gather, world
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
 from nnscaler.errors import CheckpointError
+from nnscaler.gendir import FULLMODEL
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
@@ -486,7 +487,7 @@ def _plan_nonpersistent(pm: Any, what: str) -> list[Job]:
             if m.kind == "constant" or (m.kind == "buffer" and not m.persistent)]
     if not todo:
         return []
-    path = Path(pm.generated_dir()) / "fullmodel.pt"
+    path = Path(pm.generated_dir()) / FULLMODEL
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - say which file
