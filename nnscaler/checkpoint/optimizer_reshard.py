@@ -340,6 +340,7 @@ def _check_type(source: OptimizerFilesSource, optimizer: torch.optim.Optimizer) 
         )
 
 
+# long: one pass over the groups' tensors; each check names the group and the tensor it reads
 def plan_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    source: OptimizerFilesSource) -> OptimizerPlan:
     """Check that ``source`` fills ``optimizer`` (built over ``module``'s parallel

@@ -315,17 +315,7 @@ def build_program(
                         f"got {type(graph).__name__} {graph!r}")
     g = as_irgraph(graph)
     check_plan(g, plan_ngpus)
-    pipe = find_stages(g, plan_ngpus)
-    if pipe is not None:
-        if not end2end:
-            raise CodegenError(
-                f"the plan cuts the graph into {len(pipe.stages)} pipeline stages, but the "
-                f"module is not end2end: a pipeline runs its stages over micro-batches in "
-                f"train_step/infer_step, which needs forward(sample) -> loss first. "
-                f"Parallelize with ComputeConfig(use_end2end=True), or use a policy without "
-                f"pipeline stages (e.g. 'tp')"
-            )
-        pipe.settings = pipeline_settings(config, pipeline)
+    pipe = _pipeline_of(g, plan_ngpus, end2end, config, pipeline)
     builder = _Builder(g, plan_ngpus, runtime_ngpus, pipe)
     args = _forward_args(g, forward_signature, builder.namer)
     builder.args = {name for name, _ in args}
@@ -360,6 +350,25 @@ def build_program(
     )
     program.process_groups, program.reducer_groups = process_groups(program)
     return program
+
+
+def _pipeline_of(g: IRGraph, plan_ngpus: int, end2end: bool, config: ComputeConfig,
+                 pipeline: PipelineConfig | Mapping[str, Any] | None) -> PipelinePlan | None:
+    """The pipeline of a plan cut into stages, with its schedule settings (``pipeline``,
+    else ``config.pipeline``); None for a plan without stages."""
+    pipe = find_stages(g, plan_ngpus)
+    if pipe is None:
+        return None
+    if not end2end:
+        raise CodegenError(
+            f"the plan cuts the graph into {len(pipe.stages)} pipeline stages, but the "
+            f"module is not end2end: a pipeline runs its stages over micro-batches in "
+            f"train_step/infer_step, which needs forward(sample) -> loss first. "
+            f"Parallelize with ComputeConfig(use_end2end=True), or use a policy without "
+            f"pipeline stages (e.g. 'tp')"
+        )
+    pipe.settings = pipeline_settings(config, pipeline)
+    return pipe
 
 
 def _origin(origin: Mapping[str, Any] | None, compute_config: ComputeConfig) -> dict[str, Any]:

@@ -390,6 +390,42 @@ def parallelize(
     _check_forward_signature(module_or_module_class, dummy_forward_args)
     policy_fn = _resolve_policy(pas_policy)
     distributed, rank, world_size = _dist_info()
+    _check_launch(compute_config, load_module, strategy, distributed, world_size)
+    module_class = module_or_module_class if is_class else type(module_or_module_class)
+    outdir = paths.outdir_for(gen_savedir, module_class, instance_name)
+
+    # -- generation: rank 0 (or this process alone), holding the instance's lock from
+    # the reuse decision until every rank has loaded (two jobs sharing gen_savedir) --
+    with contextlib.ExitStack() as held:
+        outcome: Any = None
+        if rank == 0:
+            outcome = _generate_on_rank0(
+                held, distributed, gen_savedir, outdir,
+                _Generator(module_or_module_class, is_class, dummy_forward_args, pas_policy,
+                           policy_fn, compute_config, outdir, reuse, instance_name,
+                           module_fn, module_dtype))
+        if distributed:
+            outcome = _share_outcome(outcome)
+            if outcome[0] == "error":
+                exc = outcome[1]
+                if rank != 0 and hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised on rank 0, which generates the code; this is rank "
+                                 f"{rank})")
+                raise exc
+            if outcome[1] and strategy is not BroadcastGenFilesStrategy.NONE:
+                broadcast_gen_files(outdir, strategy)
+            dist.barrier()
+
+        if not load_module:
+            return None
+        return _load(outdir, rank, is_class, init_module_params, outcome[2])
+
+
+def _check_launch(compute_config: ComputeConfig, load_module: bool,
+                  strategy: BroadcastGenFilesStrategy, distributed: bool,
+                  world_size: int) -> None:
+    """Loading the module needs one process per runtime rank, and broadcasting the files
+    needs torch.distributed: checked before anything is generated."""
     if load_module:
         if distributed and world_size != compute_config.runtime_ngpus:
             raise ParallelizeError(
@@ -411,44 +447,25 @@ def parallelize(
             f"broadcast_strategy={strategy.value!r} sends files over torch.distributed, which "
             f"is not initialized; use broadcast_strategy='none' outside torchrun"
         )
-    module_class = module_or_module_class if is_class else type(module_or_module_class)
-    outdir = paths.outdir_for(gen_savedir, module_class, instance_name)
 
-    # -- generation: rank 0 (or this process alone), holding the instance's lock from
-    # the reuse decision until every rank has loaded (two jobs sharing gen_savedir) --
-    with contextlib.ExitStack() as held:
-        if rank == 0:
-            outcome: Any
-            try:
-                paths.check_writable(gen_savedir)
-                held.enter_context(locks.instance_lock(outdir))
-                gen = _Generator(module_or_module_class, is_class, dummy_forward_args,
-                                 pas_policy, policy_fn, compute_config, outdir, reuse,
-                                 instance_name, module_fn, module_dtype)
-                with workers._ranks_listening() if distributed else contextlib.nullcontext():
-                    generated = gen.run()
-                outcome = ("ok", generated, _code_digests(outdir))
-            except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
-                if not distributed:
-                    raise
-                outcome = ("error", e)
-        else:
-            outcome = None
-        if distributed:
-            outcome = _share_outcome(outcome)
-            if outcome[0] == "error":
-                exc = outcome[1]
-                if rank != 0 and hasattr(exc, "add_note"):
-                    exc.add_note(f"(raised on rank 0, which generates the code; this is rank "
-                                 f"{rank})")
-                raise exc
-            if outcome[1] and strategy is not BroadcastGenFilesStrategy.NONE:
-                broadcast_gen_files(outdir, strategy)
-            dist.barrier()
 
-        if not load_module:
-            return None
-        return _load(outdir, rank, is_class, init_module_params, outcome[2])
+def _generate_on_rank0(held: contextlib.ExitStack, distributed: bool,
+                       gen_savedir: str | os.PathLike[str], outdir: Path,
+                       gen: _Generator) -> tuple[Any, ...]:
+    """Rank 0 (or this process alone) generates the files under the instance's lock,
+    which ``held`` keeps until every rank has loaded (two jobs sharing gen_savedir).
+    Returns ``('ok', generated, digests)``, or ``('error', exception)`` under
+    torch.distributed (shared with the other ranks, then raised); alone, it raises."""
+    try:
+        paths.check_writable(gen_savedir)
+        held.enter_context(locks.instance_lock(outdir))
+        with workers._ranks_listening() if distributed else contextlib.nullcontext():
+            generated = gen.run()
+        return ("ok", generated, _code_digests(outdir))
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
+        if not distributed:
+            raise
+        return ("error", e)
 
 
 def _code_digests(outdir: Path) -> dict[str, str]:
