@@ -5,16 +5,17 @@ every layer reads (this module is on the ground floor: it imports only ``nnscale
 ``runtime_ngpus`` may be given by position (as in nnScaler), the other fields by keyword.
 What the layers read of it comes in typed parts, each parsed and defaulted here, once:
 
-- :attr:`ComputeConfig.pipeline` (:class:`PipelineConfig`): the micro-batches of each
-  ``train_step`` and the schedule's name; users write them as nnScaler does, in
+- [`ComputeConfig.pipeline`][nnscaler.ComputeConfig.pipeline] (`PipelineConfig`): the micro-batches
+  of each ``train_step`` and the schedule's name; users write them as nnScaler does, in
   ``pas_config['pipeline_nmicros']`` and ``pas_config['pipeline_scheduler']``;
-- :attr:`ComputeConfig.reducer` (:class:`ReducerConfig`): ZeRO, the async reducer and
-  the bucket size;
-- :attr:`ComputeConfig.tracing` (:class:`TracingConfig`): how the module is traced.
+- [`ComputeConfig.reducer`][nnscaler.ComputeConfig.reducer] (`ReducerConfig`): ZeRO, the async
+  reducer and the bucket size;
+- [`ComputeConfig.tracing`][nnscaler.ComputeConfig.tracing] (`TracingConfig`): how the module is
+  traced.
 
-Its JSON form (:meth:`ComputeConfig.to_dict`) is what ``config.json`` stores and what
-``ReuseType.MATCH`` compares, so it is stable: sorted keys, plain JSON values.
-:func:`as_compute_config` turns an object or mapping with the same names (a test's
+Its JSON form ([`ComputeConfig.to_dict`][nnscaler.ComputeConfig.to_dict]) is what ``config.json``
+stores and what ``ReuseType.MATCH`` compares, so it is stable: sorted keys, plain JSON values.
+`as_compute_config` turns an object or mapping with the same names (a test's
 ``SimpleNamespace``) into a ``ComputeConfig``: the one place a duck-typed config is checked.
 """
 
@@ -193,7 +194,7 @@ class ReducerConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ReducerConfig:
-        """The inverse of :meth:`as_options` (a generated class's ``reducer_config``);
+        """The inverse of `as_options` (a generated class's ``reducer_config``);
         missing keys and a None bucket size take the defaults."""
         cap = options.get("reducer_bucket_cap_mb")
         return cls(use_zero=bool(options.get("use_zero", False)),
@@ -214,7 +215,7 @@ class TracingConfig:
     reuse check).
 
     Args:
-        strategy: ``'real'`` or ``'meta'`` (:data:`TRACE_STRATEGIES`).
+        strategy: ``'real'`` or ``'meta'`` (`TRACE_STRATEGIES`).
         constant_folding: recorded for nnScaler compatibility (Python values always fold).
         allow_data_dependent: accept a graph that read values from tensor data.
     """
@@ -313,7 +314,8 @@ class ComputeConfig:
             of its traced shapes (``docs/annotations.md``); off skips the check.
         pas_config: options for the policy (read by policies as
             ``compute_config.pas_config``); ``pipeline_nmicros`` and
-            ``pipeline_scheduler`` are read into :attr:`pipeline` for every layer.
+            ``pipeline_scheduler`` are read into [`pipeline`][nnscaler.ComputeConfig.pipeline] for
+            every layer.
         user_config: anything else that should decide whether generated code is reused
             (e.g. the model's constructor arguments when a class is parallelized).
     """
@@ -369,7 +371,7 @@ class ComputeConfig:
     @property
     def pipeline(self) -> PipelineConfig:
         """The pipeline schedule: ``pas_config['pipeline_nmicros']`` and
-        ``pas_config['pipeline_scheduler']`` (default :data:`DEFAULT_SCHEDULER`), checked."""
+        ``pas_config['pipeline_scheduler']`` (default `DEFAULT_SCHEDULER`), checked."""
         return self._pipeline  # type: ignore[attr-defined, no-any-return]
 
     @property
@@ -410,7 +412,7 @@ class ComputeConfig:
     # -- serialization ------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """Every field, in order (what :meth:`to_dict` holds)."""
+        """Every field, in order (what [`to_dict`][nnscaler.ComputeConfig.to_dict] holds)."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
@@ -418,12 +420,14 @@ class ComputeConfig:
         return {name: jsonable(getattr(self, name)) for name in self.field_names()}
 
     def to_json(self) -> str:
-        """:meth:`to_dict` as canonical JSON text (sorted keys): equal configs, equal text."""
+        """[`to_dict`][nnscaler.ComputeConfig.to_dict] as canonical JSON text (sorted keys): equal
+        configs, equal text."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ComputeConfig:
-        """The config that :meth:`to_dict` gave ``data`` for (unknown keys are an error)."""
+        """The config that [`to_dict`][nnscaler.ComputeConfig.to_dict] gave ``data`` for (unknown
+        keys are an error)."""
         names = set(cls.field_names())
         unknown = sorted(set(data) - names)
         if unknown:
@@ -446,8 +450,8 @@ class ComputeConfig:
 
 def as_compute_config(value: Any, *, plan_ngpus: int | None = None,
                       runtime_ngpus: int | None = None) -> ComputeConfig:
-    """``value`` as a :class:`ComputeConfig`: itself, or one built from the fields of a
-    mapping or of an object's attributes (``types.SimpleNamespace(plan_ngpus=2,
+    """``value`` as a [`ComputeConfig`][nnscaler.ComputeConfig]: itself, or one built from the
+    fields of a mapping or of an object's attributes (``types.SimpleNamespace(plan_ngpus=2,
     pas_config={...})``), or None for the defaults. ``plan_ngpus`` / ``runtime_ngpus``
     fill in what ``value`` lacks (``runtime_ngpus`` defaults to ``plan_ngpus``)."""
     if isinstance(value, ComputeConfig):

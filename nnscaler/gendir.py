@@ -1,6 +1,6 @@
 """The generated folder's format: its file names, the ``config.json`` schema and the
-digests of its files. One writer (:func:`new_config`, :func:`write_config`) and one reader
-(:func:`read_config`), used by code generation (which writes the code and weights),
+digests of its files. One writer (`new_config`, `write_config`) and one reader
+(`read_config`), used by code generation (which writes the code and weights),
 ``parallelize`` (which writes ``config.json`` and decides on reuse) and the runtime (which
 reads the module's state from it). This module is on the ground floor: it imports no
 other part of nnscaler.
@@ -12,17 +12,17 @@ A generated folder (one per parallelized module instance)::
     graph.pkl          the traced graph, for ReuseType.GRAPH (nnscaler.parallel.graph_pickle)
     config.json        written LAST: a folder without it is incomplete (nnscaler.parallel)
 
-``config.json`` (format :data:`FORMAT_VERSION`) holds:
+``config.json`` (format `FORMAT_VERSION`) holds:
 
-- ``format``: :data:`FORMAT_VERSION`;
+- ``format``: `FORMAT_VERSION`;
 - ``match``: what ``ReuseType.MATCH`` compares: ``compute_config`` (its JSON form),
   ``policy``, ``module`` (``class``, ``source_sha256``, ``training``, and the rows
   ``parameters`` ``[name, shape, dtype, requires_grad]`` and ``buffers``
   ``[name, shape, dtype, persistent]``, which the runtime reads back with
-  :func:`saved_state_rows`), ``inputs``, ``nnscaler_version``;
+  `saved_state_rows`), ``inputs``, ``nnscaler_version``;
 - ``module_class``, ``instance_name``;
 - ``files``: every other file of the folder; ``sha256``: the digest of each
-  (:func:`changed_files` compares them);
+  (`changed_files` compares them);
 - ``versions``: of nnscaler, torch and python; and what the caller adds.
 """
 
@@ -115,7 +115,7 @@ def write_config(outdir: Path, data: Mapping[str, Any]) -> None:
 # -- the reader ------------------------------------------------------------------------------
 def read_config(outdir: Path, *, complete: bool = True) -> dict[str, Any] | None:
     """``outdir``'s ``config.json``, or None when there is none that can be read. With
-    ``complete`` (the default), also None unless it is of :data:`FORMAT_VERSION` and every
+    ``complete`` (the default), also None unless it is of `FORMAT_VERSION` and every
     file it lists is there: a folder that is not a finished generation."""
     outdir = Path(outdir)
     try:

@@ -1,7 +1,7 @@
 """Every hook that nnscaler calls, in one place.
 
 A plugin is a module or object with functions named like the hooks below, decorated
-with :data:`nnscaler.hookimpl`. Built-in features are plugins too: the built-in ops,
+with [`nnscaler.hookimpl`][nnscaler.hookimpl]. Built-in features are plugins too: the built-in ops,
 policies, schedules and adapters register through exactly these hooks.
 
 A third-party package makes itself known through the entry-point group ``nnscaler`` in
@@ -67,15 +67,16 @@ def nnscaler_add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
 def nnscaler_register_ops(registry: OpRegistry) -> None:
     """Register operators with dim annotations.
 
-    :param registry: the :class:`nnscaler.ops.registry.OpRegistry`. Call
+    :param registry: the `nnscaler.ops.registry.OpRegistry`. Call
         ``registry.register(fn, annotation, name=..., ...)`` with the same arguments as
-        :func:`nnscaler.register_op`.
+        [`nnscaler.register_op`][nnscaler.register_op].
 
     Everything is checked when it is registered: the annotation is parsed (a malformed
     one raises ``AnnotationError`` naming the op and this plugin, with a caret), and a
     non-callable, an annotation of another type, more annotated inputs than the
-    function's parameters or a bad option raise :class:`nnscaler.RegistrationError`
-    naming the op and this plugin. Example::
+    function's parameters or a bad option raise
+    [`nnscaler.RegistrationError`][nnscaler.errors.RegistrationError] naming the op and this plugin.
+    Example::
 
         @nnscaler.hookimpl
         def nnscaler_register_ops(registry):
@@ -87,10 +88,10 @@ def nnscaler_register_ops(registry: OpRegistry) -> None:
 def nnscaler_register_policies(registry: Registry) -> None:
     """Register PAS (partition-assign-schedule) policies by name.
 
-    :param registry: a :class:`nnscaler.registry.Registry` of policies. A policy is a
+    :param registry: a `nnscaler.registry.Registry` of policies. A policy is a
         callable ``(graph, compute_config) -> graph``; anything else (not callable, or a
         signature that cannot take those two arguments) raises
-        :class:`nnscaler.RegistrationError` naming this plugin.
+        [`nnscaler.RegistrationError`][nnscaler.errors.RegistrationError] naming this plugin.
 
     ``parallelize(..., pas_policy="name")`` looks the name up here. Example::
 
@@ -104,9 +105,10 @@ def nnscaler_register_policies(registry: Registry) -> None:
 def nnscaler_register_schedules(registry: Registry) -> None:
     """Register pipeline schedules by name.
 
-    :param registry: a :class:`nnscaler.registry.Registry` of schedules. A schedule is a
+    :param registry: a `nnscaler.registry.Registry` of schedules. A schedule is a
         callable ``(nstages, nmicros, nvirtual) -> list of per-device action lists``;
-        anything else raises :class:`nnscaler.RegistrationError` naming this plugin.
+        anything else raises [`nnscaler.RegistrationError`][nnscaler.errors.RegistrationError]
+        naming this plugin.
 
     ``pas_config={"pipeline_scheduler": "name"}`` (read into
     ``ComputeConfig.pipeline.scheduler``) looks the name up here. Example::
@@ -121,13 +123,14 @@ def nnscaler_register_schedules(registry: Registry) -> None:
 def nnscaler_register_adapters(registry: Registry) -> None:
     """Register communication primitives used to move a tensor between layouts.
 
-    :param registry: a :class:`nnscaler.registry.Registry` of primitives (all-reduce,
+    :param registry: a `nnscaler.registry.Registry` of primitives (all-reduce,
         all-gather, reduce-scatter, all-to-all, chunk, point-to-point, ...). Each
         primitive knows its forward transition and its adjoint for backward. An entry
-        must be a hashable :class:`nnscaler.layout.Primitive` registered under its own
-        name, with a transition of :data:`nnscaler.layout.steps.TRANSITIONS` (or None),
+        must be a hashable `nnscaler.layout.Primitive` registered under its own
+        name, with a transition of `nnscaler.layout.steps.TRANSITIONS` (or None),
         and its adjoint must be registered by some plugin (checked once all have
-        loaded); else :class:`nnscaler.RegistrationError` names this plugin.
+        loaded); else [`nnscaler.RegistrationError`][nnscaler.errors.RegistrationError] names this
+        plugin.
 
     The layout planner only composes registered primitives, so a plugin can add a
     faster or a hierarchical one. Example::
@@ -147,10 +150,10 @@ def nnscaler_register_adapters(registry: Registry) -> None:
 def nnscaler_register_loggers(registry: Registry) -> None:
     """Register metric loggers for the Trainer by name.
 
-    :param registry: a :class:`nnscaler.registry.Registry` of logger classes. A logger
+    :param registry: a `nnscaler.registry.Registry` of logger classes. A logger
         is built as ``cls(**LogConfig.args)`` on rank 0 and has ``setup(config)``,
         ``log_metrics(metrics, step, tag)`` and ``finalize()`` (see
-        :class:`nnscaler.cli.loggers.LoggerBase`).
+        `nnscaler.cli.loggers.LoggerBase`).
 
     ``TrainerArgs(log=[LogConfig(type="name", args={...})])`` looks the name up here;
     the built-in plugin registers ``tensorboard``. Example (a W&B package)::

@@ -2,24 +2,24 @@
 
 Plugins are found in this order:
 
-1. the built-in plugins (:data:`BUILTIN_PLUGINS`), registered exactly like third-party
+1. the built-in plugins (`BUILTIN_PLUGINS`), registered exactly like third-party
    ones (pytest's model);
 2. every entry point in the group ``nnscaler`` (skipped when the environment variable
    ``NNSCALER_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value);
-3. ops registered from user code with :func:`nnscaler.register_op`
-   (:data:`nnscaler.ops.registry.user_ops`, replayed into every manager).
+3. ops registered from user code with [`nnscaler.register_op`][nnscaler.register_op]
+   (`nnscaler.ops.registry.user_ops`, replayed into every manager).
 
-The registries validate what plugins give them (:mod:`nnscaler.registry`): a policy or
+The registries validate what plugins give them (`nnscaler.registry`): a policy or
 schedule must be a callable of the right parameters, an adapter a
-:class:`~nnscaler.layout.Primitive` with a known transition whose adjoint is registered,
+`Primitive` with a known transition whose adjoint is registered,
 an op a callable whose annotation parses and fits it. A bad value fails at load with
-:class:`~nnscaler.errors.RegistrationError` naming the plugin.
+[`RegistrationError`][nnscaler.errors.RegistrationError] naming the plugin.
 
 The manager hands its registries down to the layers below it (which never import this
-module) through :func:`nnscaler.registry.set_registry_provider`.
+module) through `nnscaler.registry.set_registry_provider`.
 
-The manager is created lazily on first use by :func:`get_plugin_manager`; the
-environment is read then, not at import time.
+The manager is created lazily on first use by [`get_plugin_manager`][nnscaler.get_plugin_manager];
+the environment is read then, not at import time.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "nnscaler.cli.loggers",
 )
 
-#: The registry hooks and the attribute of :class:`NNScalerPluginManager` they fill.
+#: The registry hooks and the attribute of `NNScalerPluginManager` they fill.
 REGISTRY_HOOKS: dict[str, str] = {
     "nnscaler_register_ops": "ops",
     "nnscaler_register_policies": "policies",
@@ -254,7 +254,7 @@ def get_plugin_manager() -> NNScalerPluginManager:
 
 
 def _provide(kind: str, load: bool) -> Any:
-    """The :func:`nnscaler.registry.active_registry` provider: this process's registries."""
+    """The `nnscaler.registry.active_registry` provider: this process's registries."""
     manager = get_plugin_manager() if load else _MANAGER
     if manager is None:
         return None
@@ -267,7 +267,8 @@ set_registry_provider(_provide)
 
 
 def reset_plugin_manager() -> None:
-    """Forget the loaded plugins; the next :func:`get_plugin_manager` loads them anew."""
+    """Forget the loaded plugins; the next [`get_plugin_manager`][nnscaler.get_plugin_manager] loads
+    them anew."""
     global _MANAGER
     with _LOCK:
         _MANAGER = None

@@ -8,9 +8,9 @@ registered (``validate=``) and the whole set once every plugin has registered
 three layers later.
 
 The layers below the plugin manager (ops, layout, schedule, graph) never import it: they
-take a registry argument, and when a caller passes none they ask :func:`active_registry`
-for the process-wide one, which :mod:`nnscaler.plugins` provides (handed down with
-:func:`set_registry_provider`, not looked up from above).
+take a registry argument, and when a caller passes none they ask `active_registry`
+for the process-wide one, which `nnscaler.plugins` provides (handed down with
+`set_registry_provider`, not looked up from above).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class Registry(Generic[T]):
     ``install_hint`` is appended to unknown-name errors (e.g. which package provides
     optional entries). ``validate(name, obj)`` checks one value as it is registered: it
     raises ``TypeError`` or ``ValueError`` stating the rule and the fix, and the registry
-    re-raises it as :class:`~nnscaler.errors.RegistrationError` naming the entry and the
-    registering plugin. ``validate_all(registry)`` checks what entries need of each other
+    re-raises it as [`RegistrationError`][nnscaler.errors.RegistrationError] naming the entry and
+    the registering plugin. ``validate_all(registry)`` checks what entries need of each other
     (an adapter's adjoint is registered) once every plugin has registered; it raises
-    :class:`~nnscaler.errors.RegistrationError` itself.
+    [`RegistrationError`][nnscaler.errors.RegistrationError] itself.
     """
 
     def __init__(
@@ -164,7 +164,7 @@ def _short(obj: Any) -> str:
 
 def callable_taking(*params: str, what: str) -> Callable[[str, Any], None]:
     """A ``validate`` for registries of callables: the value must be callable and, where
-    :func:`inspect.signature` can see its parameters, accept ``params`` positionally.
+    `inspect.signature` can see its parameters, accept ``params`` positionally.
     ``what`` names the expected form in the error (``"a policy (graph, compute_config)
     -> graph"``)."""
 
@@ -203,7 +203,7 @@ _provider: RegistryProvider | None = None
 
 
 def set_registry_provider(provider: RegistryProvider | None) -> None:
-    """Install the function that gives the process-wide registries. :mod:`nnscaler.plugins`
+    """Install the function that gives the process-wide registries. `nnscaler.plugins`
     installs its plugin manager's when it is imported (``import nnscaler`` does that)."""
     global _provider
     _provider = provider

@@ -13,7 +13,7 @@ from nnscaler.errors import NNScalerError
 
 __all__ = ["LOG_FORMAT", "set_default_logger_level"]
 
-#: The format of the handler that :func:`set_default_logger_level` installs.
+#: The format of the handler that `set_default_logger_level` installs.
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _HANDLER_FLAG = "_nnscaler_default_handler"

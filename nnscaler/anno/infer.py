@@ -51,7 +51,7 @@ class BoundAnno:
     def transform_space(
         self, num: int | None = None, *, rules: Sequence[TransformRule] = ()
     ) -> list[Transform]:
-        """Every legal split; see :func:`nnscaler.anno.transform.transform_space`."""
+        """Every legal split; see `nnscaler.anno.transform.transform_space`."""
         from nnscaler.anno.transform import transform_space
 
         return transform_space(self, num, rules=rules)
@@ -89,7 +89,7 @@ def bind(
 ) -> BoundAnno:
     """Bind ``anno`` to the shapes of one call (``None`` for a non-tensor argument).
 
-    Raises :class:`AnnotationError` naming the input, the identifier and both sizes when the
+    Raises `AnnotationError` naming the input, the identifier and both sizes when the
     shapes disagree with the annotation.
     """
     if not anno.source:  # built by hand: check it, and get positions for error carets

@@ -13,7 +13,7 @@ Grammar. Spaces between tokens are free, except that two dims need a space betwe
     number     := decimal digits                  a fixed size, never split
     mark       := '+' | '^'                       none: split; '+': split, outputs sum; '^': never
 
-Rules checked once the structure is read, each failing with an :class:`AnnotationError`
+Rules checked once the structure is read, each failing with an `AnnotationError`
 whose caret points at the offending token:
 
 - an identifier has one mark wherever it appears (numbers are exempt: ``4`` and ``4^``
@@ -95,7 +95,7 @@ class DimAnno:
 
 @attrs.frozen
 class Star:
-    """The ``*`` dim; use the singleton :data:`STAR`."""
+    """The ``*`` dim; use the singleton `STAR`."""
 
     def __str__(self) -> str:
         return "*"
@@ -151,7 +151,7 @@ class OpAnno:
     def bind(
         self, input_shapes: Sequence[Sequence[int] | None], kwargs: Mapping[str, Any] | None = None
     ) -> BoundAnno:
-        """Bind to concrete input shapes; see :func:`nnscaler.anno.infer.bind`."""
+        """Bind to concrete input shapes; see `nnscaler.anno.infer.bind`."""
         from nnscaler.anno.infer import bind
 
         return bind(self, input_shapes, kwargs)
@@ -365,7 +365,7 @@ def _mark_name(reduce: Reduce) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def parse(text: str) -> OpAnno:
-    """Parse an annotation; raise :class:`AnnotationError` with a caret when it is malformed."""
+    """Parse an annotation; raise `AnnotationError` with a caret when it is malformed."""
     if not isinstance(text, str):
         raise TypeError(f"an annotation is a string, got {type(text).__name__}")
     return _Parser(text).annotation()

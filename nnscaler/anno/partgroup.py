@@ -1,19 +1,19 @@
-"""The parts of one split that talk to each other: :class:`PartGroup`.
+"""The parts of one split that talk to each other: `PartGroup`.
 
 Most splits are local: each part computes its piece and the layout algebra moves pieces
 between ops. A few ops can only be split if the parts exchange a little data *inside*
 the op: a cross-entropy over classes split in parts needs the maximum and the sum of
 exponentials over all classes. Such an op's split names a *part op* registered with
-``collective=True`` (see :class:`~nnscaler.anno.TransformRule`); every call of it gets
-``group``, a :class:`PartGroup` of the parts of that split, in part order.
+``collective=True`` (see [`TransformRule`][nnscaler.TransformRule]); every call of it gets
+``group``, a `PartGroup` of the parts of that split, in part order.
 
 Three implementations stand behind the one interface:
 
 - in generated code, a group over the ranks that run the parts (``torch.distributed``,
-  :class:`nnscaler.runtime.partgroup.ProcessPartGroup`);
-- in one process, for the plan simulator and the annotation checks, :func:`run_parts`
-  runs the parts in threads joined by a :class:`ThreadPartGroup`;
-- :data:`SINGLE`, a group of one part (the op unsplit).
+  `nnscaler.runtime.partgroup.ProcessPartGroup`);
+- in one process, for the plan simulator and the annotation checks, `run_parts`
+  runs the parts in threads joined by a `ThreadPartGroup`;
+- `SINGLE`, a group of one part (the op unsplit).
 
 Gradients follow the exact-adjoint convention of the runtime
 (``docs/internals/parallel-runtime.md``): ``all_reduce(x, "sum")`` gives every part the
@@ -61,7 +61,7 @@ class PartGroup:
         return x if op == "sum" else x.detach()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every part's ``x``, stacked in part order (a new dim 0 of size :attr:`size`);
+        """Every part's ``x``, stacked in part order (a new dim 0 of size `size`);
         differentiable: each ``x`` gets the sum over parts of the gradients of its slot.
         Every part calls it, with tensors of one shape, in the same order."""
         return x.unsqueeze(0)
@@ -87,7 +87,7 @@ class _Exchange:
 
 
 class ThreadPartGroup(PartGroup):
-    """The parts of a split run as threads of one process (:func:`run_parts`).
+    """The parts of a split run as threads of one process (`run_parts`).
 
     ``all_reduce`` adds the parts' tensors in part order, so every part gets the very same
     result, and the sum stays in one autograd graph: a backward from the main thread
@@ -130,7 +130,7 @@ class ThreadPartGroup(PartGroup):
 
 def run_parts(calls: Sequence[Callable[[PartGroup], Any]]) -> list[Any]:
     """Run ``calls[p](group_p)`` for every part ``p`` at once, each in its own thread, the
-    groups joined (:class:`ThreadPartGroup`); return the results in part order. Grad mode
+    groups joined (`ThreadPartGroup`); return the results in part order. Grad mode
     is the caller's. A part that raises breaks the others' collectives, and the first
     failure is raised here."""
     n = len(calls)

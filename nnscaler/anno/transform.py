@@ -1,10 +1,10 @@
 """The transform space of a bound annotation: every legal way to split an op in parts.
 
-A :class:`Transform` splits input ``idx`` along dim ``dim`` in ``num`` parts and says, for
-every input and output, the placement each part holds: :class:`Split` along a dim,
-:class:`ValuePartial` (the parts sum to the whole) or :class:`Replicate`. The default
-derivation reads the placements off the annotation; a :class:`TransformRule` replaces it for
-the requests it matches.
+A `Transform` splits input ``idx`` along dim ``dim`` in ``num`` parts and says, for
+every input and output, the placement each part holds: `Split` along a dim,
+`ValuePartial` (the parts sum to the whole) or `Replicate`. The default
+derivation reads the placements off the annotation; a [`TransformRule`][nnscaler.TransformRule]
+replaces it for the requests it matches.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class TransformRule:
     the same arguments and the modifier's keywords: a split that needs other code than
     the whole op (a lookup into a slice of a table masks the rows it does not hold). When
     that op is registered ``collective=True`` its parts also talk to each other: each
-    receives ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup` of the parts of the
+    receives ``group``, a `PartGroup` of the parts of the
     split (a cross-entropy over classes split in parts exchanges its normalizers).
 
     A *value rule* has no ``Split`` input, only ``ValuePartial`` ones (and ``Replicate``
@@ -159,7 +159,7 @@ class Transform:
 
     ``inputs``/``outputs`` hold each part's placement (``None`` where the entry is ``?``);
     ``kwarg_updates`` are the keyword arguments each part gets instead (a hidden dim's size
-    divided by ``num``); ``modifier`` comes from a :class:`TransformRule`.
+    divided by ``num``); ``modifier`` comes from a [`TransformRule`][nnscaler.TransformRule].
     """
 
     idx: int
@@ -317,7 +317,7 @@ def split(
     """The transform splitting input ``idx`` along ``dim`` in ``num`` parts; ``dim=None``
     splits the values of input ``idx`` (a value rule of ``rules``).
 
-    Raises :class:`AnnotationError` saying why the split is illegal and listing the legal
+    Raises `AnnotationError` saying why the split is illegal and listing the legal
     ``(idx, dim, num)`` choices.
     """
     _check_rules(bound, rules)

@@ -59,11 +59,11 @@ def check_promise(
     space (in ``nums`` parts only, when given), on each part's inputs and keyword
     arguments; each tensor output is recombined with its layout and compared with the whole
     result (``torch.testing.assert_close``; integers and booleans exactly). ``part_kwargs``
-    replaces :meth:`Transform.part_kwargs` for ops that rewrite more arguments.
+    replaces `Transform.part_kwargs` for ops that rewrite more arguments.
     ``part_op(name) -> (callable, collective)`` resolves the part op a transform rule
     names; a collective one gets ``group`` and its parts run together
-    (:func:`nnscaler.anno.partgroup.run_parts`). ``fn`` must be deterministic. Returns the checked transforms; raises
-    :class:`PromiseBrokenError` on the first disagreement.
+    (`nnscaler.anno.partgroup.run_parts`). ``fn`` must be deterministic. Returns the checked
+    transforms; raises `PromiseBrokenError` on the first disagreement.
     """
     anno = parse(annotation) if isinstance(annotation, str) else annotation
     kwargs = dict(kwargs or {})

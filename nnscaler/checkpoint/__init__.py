@@ -2,18 +2,21 @@
 module's state dict; loaded into a parallel module of the same or any other plan.
 
 - ``model.state_dict()`` / ``model.load_state_dict(sd)`` on each rank: the rank's own
-  pieces, with the metadata needed to merge them (:mod:`nnscaler.runtime.state`);
-- :func:`merge_state_dicts`: every rank's state dicts (module and optimizer) into the
-  ones the single-device module and optimizer load;
-- :func:`load_merged_state_dicts`: a full state dict into a parallel module of any plan;
-- :func:`deduped_state_dict` / :func:`load_deduped_state_dict`: each distinct piece saved
-  once across the ranks, and every rank restored from them;
-- :func:`save` / :func:`load`: atomic writes, ``weights_only=True`` reads;
-- :func:`track_optimizer`: optimizer state dicts that say which tensor each entry is;
-- :func:`load_pretrained` / :func:`save_pretrained`: Hugging Face Hub-format safetensors
-  folders in and out, each rank reading only its slices (``docs/pretrained.md``);
-- :func:`load_resharded`: per-rank files of one plan (module and optimizer) into another
-  plan, each rank reading only the pieces it needs.
+  pieces, with the metadata needed to merge them (`nnscaler.runtime.state`);
+- [`merge_state_dicts`][nnscaler.merge_state_dicts]: every rank's state dicts (module and optimizer)
+  into the ones the single-device module and optimizer load;
+- [`load_merged_state_dicts`][nnscaler.load_merged_state_dicts]: a full state dict into a parallel
+  module of any plan;
+- [`deduped_state_dict`][nnscaler.deduped_state_dict] /
+  [`load_deduped_state_dict`][nnscaler.load_deduped_state_dict]: each distinct piece saved once
+  across the ranks, and every rank restored from them;
+- `save` / `load`: atomic writes, ``weights_only=True`` reads;
+- `track_optimizer`: optimizer state dicts that say which tensor each entry is;
+- [`load_pretrained`][nnscaler.load_pretrained] / [`save_pretrained`][nnscaler.save_pretrained]:
+  Hugging Face Hub-format safetensors folders in and out, each rank reading only its slices
+  (``docs/pretrained.md``);
+- [`load_resharded`][nnscaler.load_resharded]: per-rank files of one plan (module and optimizer)
+  into another plan, each rank reading only the pieces it needs.
 
 See ``docs/checkpoint.md``.
 """

@@ -35,8 +35,9 @@ def gather(obj: Any) -> list[Any]:
 
 def agree(error: BaseException | None, what: str) -> None:
     """Collective: raise on every rank when any rank failed, so none waits forever in a
-    later collective; a rank raises its own error, the others a :class:`CheckpointError`
-    naming the first rank that failed and its message."""
+    later collective; a rank raises its own error, the others a
+    [`CheckpointError`][nnscaler.errors.CheckpointError] naming the first rank that failed and its
+    message."""
     messages = gather(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error

@@ -2,10 +2,10 @@
 
 In parallel training most pieces are held by several ranks (data-parallel replicas,
 replicated weights inside a scale unit, ZeRO shards replicated across ZeRO groups), with
-equal values. :func:`deduped_state_dict` keeps each piece (and each piece's optimizer
-state) on the lowest rank that holds it; :func:`load_deduped_state_dict` sends every rank
-the pieces it lacks from the rank that kept them. Both are collective: every rank calls
-them.
+equal values. [`deduped_state_dict`][nnscaler.deduped_state_dict] keeps each piece (and each piece's
+optimizer state) on the lowest rank that holds it;
+[`load_deduped_state_dict`][nnscaler.load_deduped_state_dict] sends every rank the pieces it lacks
+from the rank that kept them. Both are collective: every rank calls them.
 
 Pieces are named by strings equal on every rank that holds the same values:
 
@@ -86,7 +86,8 @@ def deduped_state_dict(
     Returns ``(module_state_dict, optimizer_state_dict)``; the second is None without an
     optimizer. Summed over the ranks they hold each distinct piece once, so they are
     smaller than the per-rank state dicts by the replication factor. Restore with
-    :func:`load_deduped_state_dict`, or merge them with :func:`merge_state_dicts`.
+    [`load_deduped_state_dict`][nnscaler.load_deduped_state_dict], or merge them with
+    [`merge_state_dicts`][nnscaler.merge_state_dicts].
     """
     pms = parallel_modules(module)
     if not pms:
@@ -356,15 +357,15 @@ def load_deduped_state_dict(
     *,
     device: str | torch.device | None = None,
 ) -> None:
-    """Restore every rank from the state dicts :func:`deduped_state_dict` returned
-    (collective: every rank calls it with its own dicts).
+    """Restore every rank from the state dicts [`deduped_state_dict`][nnscaler.deduped_state_dict]
+    returned (collective: every rank calls it with its own dicts).
 
     Each rank receives the pieces it lacks from the rank that kept them, then loads the
     completed state dicts with ``load_state_dict``: the module must have the plan the
     dicts were saved with (else an error names the first mismatching key and both shapes).
     The module's tensors are updated in place; the optimizer state goes to the devices of
     the tensors it belongs to (``device`` is accepted for symmetry with
-    :func:`load_merged_state_dicts` and not needed).
+    [`load_merged_state_dicts`][nnscaler.load_merged_state_dicts] and not needed).
     """
     del device  # the module's tensors are updated in place where they live
     if (optimizer is None) != (optimizer_state_dict is None):

@@ -1,7 +1,7 @@
-"""Exceptions of :mod:`nnscaler.checkpoint`.
+"""Exceptions of `nnscaler.checkpoint`.
 
-They are defined in :mod:`nnscaler.errors` (the runtime's state-dict checks raise them too,
-and the runtime sits below the checkpoint package) and re-exported here.
+They are defined in [`nnscaler.errors`][nnscaler.errors] (the runtime's state-dict checks raise them
+too, and the runtime sits below the checkpoint package) and re-exported here.
 """
 
 from __future__ import annotations

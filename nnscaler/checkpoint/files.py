@@ -1,15 +1,15 @@
 """Checkpoint files: written atomically, read with ``weights_only=True``, and nothing left
 behind by a killed save.
 
-:func:`save` writes into a temporary file beside the target, ``.{name}.{pid}-{hex}.tmp``,
+`save` writes into a temporary file beside the target, ``.{name}.{pid}-{hex}.tmp``,
 holding an exclusive ``flock`` on it while it writes, flushes it to disk and renames it
 over the target (``os.replace`` is atomic on POSIX and Windows): a save that is killed half
 way leaves the previous file intact. The temporary file it leaves is removed by the next
-:func:`save` of the same file, or by :func:`clean_stale` on the directory: a temporary file
+`save` of the same file, or by `clean_stale` on the directory: a temporary file
 is stale when no process holds its lock and the process that made it is dead (a lock dies
-with its process). :func:`temporary_dir` does the same for a whole directory written in
+with its process). `temporary_dir` does the same for a whole directory written in
 one go (a checkpoint folder that every rank writes into, renamed into place at the end).
-:func:`load` reads with ``torch.load(weights_only=True)``: the state dicts nnscaler writes
+`load` reads with ``torch.load(weights_only=True)``: the state dicts nnscaler writes
 hold only tensors and plain Python data, so no pickled code is ever run.
 """
 
@@ -122,8 +122,8 @@ def _remove_if_stale_dir(path: Path, pid: int) -> bool:
 
 
 def clean_stale(directory: str | os.PathLike[str], name: str | None = None) -> list[Path]:
-    """Remove the temporary files of killed :func:`save` calls and the temporary
-    directories of killed :func:`temporary_dir` blocks in ``directory`` (only those of
+    """Remove the temporary files of killed `save` calls and the temporary
+    directories of killed `temporary_dir` blocks in ``directory`` (only those of
     the file or directory ``name`` when given). One is stale when its lock is free and
     the process that made it is dead; what a live process writes is never touched.
     Returns what was removed."""
@@ -184,8 +184,8 @@ def temporary_dir(target: str | os.PathLike[str], *, replace: bool = True) -> It
     """A temporary sibling directory of ``target`` to write a whole checkpoint into;
     renamed to ``target`` when the block ends without an exception (an existing
     ``target`` is first renamed aside and deleted when ``replace``, else
-    :class:`CheckpointError`), removed when it raises. This process holds a lock in it
-    until then, so :func:`clean_stale` leaves it alone while this process lives; other
+    [`CheckpointError`][nnscaler.errors.CheckpointError]), removed when it raises. This process
+    holds a lock in it until then, so `clean_stale` leaves it alone while this process lives; other
     processes (ranks) may write into it meanwhile. Stale ones beside ``target`` are
     removed on entry."""
     final = Path(target)
@@ -222,7 +222,7 @@ def temporary_dir(target: str | os.PathLike[str], *, replace: bool = True) -> It
 
 def load(path: str | os.PathLike[str], *, map_location: Any = None,
          mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)``: what :func:`save` wrote (state dicts of
+    """``torch.load(path, weights_only=True)``: what `save` wrote (state dicts of
     modules and optimizers). ``map_location`` as in ``torch.load`` (e.g. ``'cpu'``);
     ``mmap=True`` maps the file instead of reading it all."""
     try:

@@ -1,15 +1,16 @@
 """Hugging Face Hub-format weights in and out of parallel modules, and resharding a
 checkpoint into another plan, each rank reading only the pieces it holds.
 
-- :func:`load_pretrained`: a folder written by ``transformers``' ``save_pretrained``
-  (``model.safetensors``, or shards with ``model.safetensors.index.json``) into a
-  parallel module of any plan, typically one traced on the meta device;
-- :func:`save_pretrained`: a parallel module (collective) or its per-rank checkpoint files
-  into such a folder, tensor by tensor;
-- :func:`load_resharded`: per-rank checkpoint files saved under one plan into a module of
-  another plan, and its optimizer (:mod:`.optimizer_reshard`), without merging them;
-- :func:`meta_parameters`: build a model whose parameters are on the meta device and
-  whose buffers have their values (what :func:`load_pretrained` fills).
+- [`load_pretrained`][nnscaler.load_pretrained]: a folder written by ``transformers``'
+  ``save_pretrained`` (``model.safetensors``, or shards with ``model.safetensors.index.json``) into
+  a parallel module of any plan, typically one traced on the meta device;
+- [`save_pretrained`][nnscaler.save_pretrained]: a parallel module (collective) or its per-rank
+  checkpoint files into such a folder, tensor by tensor;
+- [`load_resharded`][nnscaler.load_resharded]: per-rank checkpoint files saved under one plan into a
+  module of another plan, and its optimizer (`optimizer_reshard`), without merging them;
+- [`meta_parameters`][nnscaler.meta_parameters]: build a model whose parameters are on the meta
+  device and whose buffers have their values (what [`load_pretrained`][nnscaler.load_pretrained]
+  fills).
 
 See ``docs/pretrained.md``.
 """
@@ -50,7 +51,7 @@ def meta_parameters() -> Iterator[None]:
     no initialisation cost); buffers keep their values. Such a model traces with
     ``trace_strategy='meta'``; its non-persistent buffers (rotary frequencies, masks),
     which no checkpoint holds, reach the parallel module through ``fullmodel.pt``, while
-    :func:`load_pretrained` fills the parameters."""
+    [`load_pretrained`][nnscaler.load_pretrained] fills the parameters."""
     original = torch.nn.Module.register_parameter
 
     def register(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -139,7 +140,7 @@ def load_pretrained(module: torch.nn.Module, path: str | os.PathLike[str], *,
     Every name and shape is checked on every rank before any value is read: a tensor whose
     shape differs from the model's, a model tensor missing from the folder, a name in the
     folder the model lacks (with ``strict``), a missing shard or a truncated file is a
-    :class:`~nnscaler.errors.CheckpointError` naming the key, the file and the shapes.
+    [`CheckpointError`][nnscaler.errors.CheckpointError] naming the key, the file and the shapes.
     """
     error: BaseException | None = None
     source: HubSource | None = None
@@ -164,18 +165,19 @@ def load_resharded(module: torch.nn.Module,
 
     The files are memory-mapped and each rank reads only the pieces that overlap its own
     (replicas once, value parts summed): no rank merges the whole model. Names and shapes
-    are checked first, as in :func:`load_pretrained`.
+    are checked first, as in [`load_pretrained`][nnscaler.load_pretrained].
 
-    With ``optimizer`` (built over ``module``, e.g. by :func:`nnscaler.build_optimizer`)
-    and ``optimizer_files`` (every saved rank's ``optimizer.state_dict()``, in the order of
-    ``files``), the optimizer state moves too, with or without ZeRO on either side: each
-    rank reads only the slices of the elementwise state (Adam's ``exp_avg``,
-    ``exp_avg_sq``, ...) of the pieces it holds; scalars (``step``) and the groups'
-    hyperparameters are taken as :func:`nnscaler.load_merged_state_dicts` takes them from
-    a merged checkpoint, with the same result. Everything (a missing rank, state that is
-    not elementwise, another optimizer class) is checked on every rank before anything is
-    loaded: a :class:`~nnscaler.errors.CheckpointError` leaves module and optimizer as
-    they were."""
+    With ``optimizer`` (built over ``module``, e.g. by
+    [`nnscaler.build_optimizer`][nnscaler.build_optimizer]) and ``optimizer_files`` (every saved
+    rank's ``optimizer.state_dict()``, in the order of ``files``), the optimizer state moves too,
+    with or without ZeRO on either side: each rank reads only the slices of the elementwise state
+    (Adam's ``exp_avg``, ``exp_avg_sq``, ...) of the pieces it holds; scalars (``step``) and the
+    groups' hyperparameters are taken as
+    [`nnscaler.load_merged_state_dicts`][nnscaler.load_merged_state_dicts] takes them from a merged
+    checkpoint, with the same result. Everything (a missing rank, state that is not elementwise,
+    another optimizer class) is checked on every rank before anything is loaded: a
+    [`CheckpointError`][nnscaler.errors.CheckpointError] leaves module and optimizer as they
+    were."""
     from nnscaler.checkpoint.optimizer_reshard import OptimizerFilesSource, plan_optimizer
 
     error: BaseException | None = None

@@ -1,11 +1,11 @@
 """Merge per-rank state dicts into the original module's.
 
-:func:`merge_state_dicts` puts every rank's pieces back together (replicas once, value
-parts summed), restores tied names and the tensors no rank holds, and merges the optimizer
-state of elementwise optimizers (Adam, AdamW, SGD with momentum, ...), ZeRO shards
+[`merge_state_dicts`][nnscaler.merge_state_dicts] puts every rank's pieces back together (replicas
+once, value parts summed), restores tied names and the tensors no rank holds, and merges the
+optimizer state of elementwise optimizers (Adam, AdamW, SGD with momentum, ...), ZeRO shards
 included. The result is what the single-device model and optimizer load with their own
 ``load_state_dict``; the other direction, cutting such a full state dict into the pieces
-of any plan, is :mod:`nnscaler.checkpoint.reshard`.
+of any plan, is `nnscaler.checkpoint.reshard`.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def _check_shapes(opt: str, r: int, i: Any, state: Mapping[Any, Any], expected: 
 def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str, Any]]
                                 ) -> dict[str, Any]:
     """The optimizer state dict of the original module, from every rank's (see
-    :func:`merge_state_dicts`)."""
+    [`merge_state_dicts`][nnscaler.merge_state_dicts])."""
     merge = _OptimizerMerge(views)
     for r, osd in enumerate(osds):
         merge.add_rank(r, osd)
@@ -474,8 +474,8 @@ def merge_state_dicts(
     """Merge the state dicts of every rank into the original module's state dict.
 
     ``module_state_dicts``: ``model.state_dict()`` of each rank (or the dicts of
-    :func:`deduped_state_dict`), where ``model`` is a ParallelModule or holds some.
-    ``optimizer_state_dicts``: ``optimizer.state_dict()`` of the same ranks, in the same
+    [`deduped_state_dict`][nnscaler.deduped_state_dict]), where ``model`` is a ParallelModule or
+    holds some. ``optimizer_state_dicts``: ``optimizer.state_dict()`` of the same ranks, in the same
     order, or None.
 
     Returns ``(module_state_dict, optimizer_state_dict)``: the first is what the original

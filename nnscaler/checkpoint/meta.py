@@ -1,5 +1,5 @@
 """The metadata a ``ParallelModule``'s state dict carries: moved to
-:mod:`nnscaler.runtime.state`, since the module's own ``state_dict`` hooks use it and the
+`nnscaler.runtime.state`, since the module's own ``state_dict`` hooks use it and the
 runtime sits below the checkpoint package. Names read here are looked up there, so code
 that imports them from this module keeps working.
 """

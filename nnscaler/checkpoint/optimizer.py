@@ -2,16 +2,16 @@
 
 A torch optimizer's ``state_dict()`` numbers its tensors ``0, 1, ...`` in the order of its
 parameter groups and says nothing about what they are. For a model made by
-:func:`nnscaler.parallelize` the tensors are the ``parameters_for_optimizer()`` of its
-parallel modules: parameter pieces, or flat ZeRO shards of reducer buckets. Merging needs
+[`nnscaler.parallelize`][nnscaler.parallelize] the tensors are the ``parameters_for_optimizer()`` of
+its parallel modules: parameter pieces, or flat ZeRO shards of reducer buckets. Merging needs
 to know which is which:
 
-- by default the order is the one :func:`nnscaler.build_optimizer` uses: every parallel
-  module (in ``model.modules()`` order), its ``parameters_for_optimizer()`` in order;
+- by default the order is the one [`nnscaler.build_optimizer`][nnscaler.build_optimizer] uses: every
+  parallel module (in ``model.modules()`` order), its ``parameters_for_optimizer()`` in order;
 - an optimizer that orders them otherwise (several parameter groups picked by a rule,
   e.g. no weight decay for biases) is described exactly by the ``"nnscaler"`` entry that
-  :func:`track_optimizer` adds to its ``state_dict()``. :func:`deduped_state_dict` adds it
-  too.
+  `track_optimizer` adds to its ``state_dict()``.
+  [`deduped_state_dict`][nnscaler.deduped_state_dict] adds it too.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
     "unmergeable",
 ]
 
-#: The key :func:`track_optimizer` adds to an optimizer's state dict.
+#: The key `track_optimizer` adds to an optimizer's state dict.
 OPTIMIZER_KEY = "nnscaler"
 _TRACKED = "_nnscaler_checkpoint_tracked"
 
@@ -102,8 +102,8 @@ def track_optimizer(optimizer: torch.optim.Optimizer,
     (the ``"nnscaler"`` key), and ``optimizer.load_state_dict`` check it.
 
     Needed for merging only when the optimizer orders its tensors differently from
-    :func:`nnscaler.build_optimizer` (several parameter groups picked by a rule); harmless
-    otherwise. ``module`` is the model, needed when the optimizer was not made by
+    [`nnscaler.build_optimizer`][nnscaler.build_optimizer] (several parameter groups picked by a
+    rule); harmless otherwise. ``module`` is the model, needed when the optimizer was not made by
     ``build_optimizer``. Calling it twice does nothing more. Returns the optimizer.
     """
     if getattr(optimizer, _TRACKED, False):

@@ -9,12 +9,12 @@ several shards is put together from them). Scalars (``step``) are one value per
 parameter. An optimizer of plan B then gets, for each of its tensors (a parameter piece
 or a ZeRO shard), the boxes of its pieces cut from those, one piece at a time; its
 parameter groups take the saved hyperparameters as
-:func:`~nnscaler.checkpoint.reshard.load_merged_state_dicts` gives them. The result is
+[`load_merged_state_dicts`][nnscaler.load_merged_state_dicts] gives them. The result is
 the one ``merge_state_dicts`` + ``load_merged_state_dicts`` give, without any process
 holding the merged state.
 
-:func:`plan_optimizer` checks everything from the files' metadata (no value read);
-:meth:`OptimizerPlan.local_state` then reads.
+`plan_optimizer` checks everything from the files' metadata (no value read);
+`OptimizerPlan.local_state` then reads.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 
 class _ParamStates:
     """The saved optimizer state of one original parameter: per elementwise key an
-    :class:`_Entry` of the pieces holding it, and the scalars."""
+    `_Entry` of the pieces holding it, and the scalars."""
 
     def __init__(self, name: str, shape: Sequence[int]) -> None:
         self.name = name

@@ -4,14 +4,14 @@ pieces a parallel module holds, without ever putting the whole model in one proc
 A *source* names full tensors (``prefix + original name``, as a merged state dict would)
 and reads any box (``[start, stop]`` per dim) of one of them:
 
-- :class:`HubSource`: a Hub-format safetensors folder (:mod:`.safetensors_io`);
-- :class:`RankFilesSource`: the per-rank (or deduped) state-dict files of a parallel module
+- `HubSource`: a Hub-format safetensors folder (`safetensors_io`);
+- `RankFilesSource`: the per-rank (or deduped) state-dict files of a parallel module
   saved under some plan, memory-mapped; a box is put together from the pieces the files'
   metadata say cover it (replicas taken once, value parts summed);
-- :class:`ModuleSource`: a live parallel module on every rank (collective): rank 0
+- `ModuleSource`: a live parallel module on every rank (collective): rank 0
   receives the pieces other ranks hold, one tensor at a time.
 
-:func:`load_into` fills a module (a ParallelModule, or a model holding some) from a
+`load_into` fills a module (a ParallelModule, or a model holding some) from a
 source: every rank checks every name and shape first, the ranks agree, then each rank
 reads only the boxes of its own pieces, one at a time.
 """
@@ -224,7 +224,7 @@ class RankFilesSource:
     file paths (read memory-mapped, so only the pieces asked for are read) or dicts.
 
     The pages of a memory map that a read touches count as the process's resident memory
-    until the map goes: the files are mapped afresh once :data:`REMAP_BYTES` were read from
+    until the map goes: the files are mapped afresh once `REMAP_BYTES` were read from
     them, so reading a whole checkpoint never makes it resident."""
 
     def __init__(self, files: Sequence[str | os.PathLike[str] | Mapping[str, Any]]) -> None:
@@ -280,7 +280,7 @@ def _load_mmap(path: Path) -> Mapping[str, Any]:
 
 class ModuleSource:
     """A live model holding parallel modules, on every rank (collective): every rank
-    calls :meth:`read` for the same names in the same order; rank 0 gets the full tensor,
+    calls `read` for the same names in the same order; rank 0 gets the full tensor,
     the other ranks send it the pieces they are the first holder of and get None."""
 
     def __init__(self, module: torch.nn.Module) -> None:

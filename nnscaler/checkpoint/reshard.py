@@ -1,10 +1,10 @@
 """Reshard: cut a full state dict into the pieces of any plan, and load them (the
-direction opposite to :mod:`nnscaler.checkpoint.merge`).
+direction opposite to `nnscaler.checkpoint.merge`).
 
-:func:`load_merged_state_dicts` takes the state dict of the original module (its own, or
-one :func:`~nnscaler.checkpoint.merge.merge_state_dicts` made from the ranks' pieces) and
-the full optimizer state, and gives each rank the pieces of its plan: every parameter and
-buffer cut to the rank's box, the optimizer's elementwise state cut alike (ZeRO shards
+[`load_merged_state_dicts`][nnscaler.load_merged_state_dicts] takes the state dict of the original
+module (its own, or one [`merge_state_dicts`][nnscaler.merge_state_dicts] made from the ranks'
+pieces) and the full optimizer state, and gives each rank the pieces of its plan: every parameter
+and buffer cut to the rank's box, the optimizer's elementwise state cut alike (ZeRO shards
 rebuilt from the cut pieces), scalars copied. A key that does not fit is an error naming
 it and both shapes, raised before anything is loaded.
 """
@@ -69,10 +69,10 @@ def load_merged_state_dicts(
     *,
     device: str | torch.device | None = None,
 ) -> None:
-    """Load a full state dict (from :func:`merge_state_dicts`, or the original module's
-    own) into ``module``, a ParallelModule of any plan or a model holding some, and
-    optionally the full optimizer state into ``optimizer`` (built over the module, e.g.
-    by :func:`nnscaler.build_optimizer`).
+    """Load a full state dict (from [`merge_state_dicts`][nnscaler.merge_state_dicts], or the
+    original module's own) into ``module``, a ParallelModule of any plan or a model holding some,
+    and optionally the full optimizer state into ``optimizer`` (built over the module, e.g.
+    by [`nnscaler.build_optimizer`][nnscaler.build_optimizer]).
 
     Every rank calls it with the same full state dicts and takes its own pieces. A key that
     does not fit (another model: a missing key or a different shape) is an error naming

@@ -7,13 +7,13 @@ JSON header of ``n`` bytes (``{name: {"dtype": "F32", "shape": [...], "data_offs
 [begin, end]}, "__metadata__": {...}}``) and the tensors' bytes, row-major.
 
 Reading uses positioned reads (``os.preadv``) straight into the destination tensor, in
-row blocks of at most :data:`BLOCK_BYTES`: a rank reads only the rows of its slice, and
+row blocks of at most `BLOCK_BYTES`: a rank reads only the rows of its slice, and
 neither the file nor a whole tensor is ever resident in the process (pages of a memory
 map would count against the process's resident memory as they are touched; the page
 cache does not). Writing streams each tensor's bytes after a header computed from the
 shapes, so a shard never sits in memory either. Every file is checked when opened: a
 header that does not parse, offsets that do not tile the data, or a file shorter than
-its header says (truncated) is a :class:`~nnscaler.errors.CheckpointError` naming the
+its header says (truncated) is a [`CheckpointError`][nnscaler.errors.CheckpointError] naming the
 file, the tensor and the sizes.
 """
 

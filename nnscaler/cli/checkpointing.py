@@ -1,5 +1,5 @@
 """The import path of the Trainer's checkpoint folders before they moved to
-:mod:`nnscaler.trainer.ckpt_layout` (atomic writes, ``last`` / ``best``, rotation,
+`nnscaler.trainer.ckpt_layout` (atomic writes, ``last`` / ``best``, rotation,
 finding what to resume from, the RNG states)."""
 
 from __future__ import annotations

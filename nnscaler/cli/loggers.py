@@ -2,7 +2,7 @@
 
 A logger receives the metrics of the training steps and of the validations on rank 0.
 Loggers are plugins: a package registers its own through the
-``nnscaler_register_loggers`` hook (see :mod:`nnscaler.hookspecs`), and
+``nnscaler_register_loggers`` hook (see `nnscaler.hookspecs`), and
 ``LogConfig(type='name')`` picks one by name. This module registers ``tensorboard``,
 which needs the optional extra ``pip install nnscaler[tensorboard]``.
 """

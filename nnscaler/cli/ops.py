@@ -1,6 +1,7 @@
-"""Training ops the Trainer's examples use, registered with :func:`nnscaler.register_op`.
+"""Training ops the Trainer's examples use, registered with
+[`nnscaler.register_op`][nnscaler.register_op].
 
-:func:`chunk_linear_cross_entropy` is the language-model head and its loss in one op:
+`chunk_linear_cross_entropy` is the language-model head and its loss in one op:
 ``cross_entropy(hidden @ weight.T, target)`` computed a chunk of tokens at a time, so
 the ``[tokens, vocabulary]`` logits never exist whole (for a 128k vocabulary and 8k
 tokens they would take 4 GiB in fp32). Backward recomputes each chunk's logits from the
@@ -15,7 +16,7 @@ A plan can split it two ways:
   losses; ``'mean'`` divides by a count of the whole and does not split the tokens;
 - **vocabulary** (a transform rule, Megatron's vocabulary-parallel loss): each part holds
   rows ``[vocab_start, vocab_start + V_part)`` of ``weight`` and runs
-  :func:`vocab_parallel_chunk_linear_cross_entropy`, which reduces its logits, chunk by
+  `vocab_parallel_chunk_linear_cross_entropy`, which reduces its logits, chunk by
   chunk, to three numbers per token (maximum, sum of exponentials, the target's logit
   where the part holds the target); one all-gather of those gives every part the whole
   loss. In backward each part recomputes its logits chunk by chunk and returns its share
@@ -52,7 +53,7 @@ _NAMES = "abcefghijklmnopqrstuwxyz"  # no 'd' (the hidden dim) and no 'v' (the v
 
 
 class ChunkedLossError(NNScalerError, ValueError):
-    """Arguments of :func:`chunk_linear_cross_entropy` that do not fit together."""
+    """Arguments of `chunk_linear_cross_entropy` that do not fit together."""
 
 
 def chunk_linear_cross_entropy_anno(hidden: Any, weight: Any, target: Any,
@@ -158,9 +159,9 @@ def vocab_parallel_chunk_linear_cross_entropy(
     ignore_index: int = -100, chunk_size: int = 1024, *, vocab_start: int = 0,
     vocab_size: int | None = None, group: Any = SINGLE,
 ) -> torch.Tensor:
-    """:func:`chunk_linear_cross_entropy` on this part's rows of ``weight``
+    """`chunk_linear_cross_entropy` on this part's rows of ``weight``
     (``[vocab_start, vocab_start + weight.shape[0])`` of ``vocab_size``), the parts joined
-    by ``group`` (a :class:`~nnscaler.ops.partgroup.PartGroup`): every part returns the
+    by ``group`` (a `PartGroup`): every part returns the
     loss over the whole vocabulary."""
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = target.reshape(-1)
@@ -253,7 +254,7 @@ def chunk_linear_cross_entropy_fn(hidden: torch.Tensor, weight: torch.Tensor,
 
 
 #: The op models call (the tracer records each call as one op; the generated code calls
-#: :func:`chunk_linear_cross_entropy_fn` itself, the op's name).
+#: `chunk_linear_cross_entropy_fn` itself, the op's name).
 chunk_linear_cross_entropy = register_op(
     chunk_linear_cross_entropy_anno, name=OP_NAME, input_gen_fn=_gen, transform_rules=_rules,
 )(chunk_linear_cross_entropy_fn)

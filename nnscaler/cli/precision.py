@@ -1,5 +1,5 @@
 """The import path of the Trainer's mixed precision before it moved to
-:mod:`nnscaler.trainer.precision` (fp32 master weights, fp16 loss scaling)."""
+`nnscaler.trainer.precision` (fp32 master weights, fp16 loss scaling)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
     nnscaler-train compile -f config.yaml                           # generate code only
     torchrun --nproc_per_node=2 -m nnscaler.cli.train -f config.yaml --optimizer.args.lr 1e-3
 
-The YAML file holds the fields of :class:`~nnscaler.cli.trainer_args.TrainerArgs`; it is
+The YAML file holds the fields of `TrainerArgs`; it is
 read with ``yaml.safe_load`` rules (no object is built from a tag; classes and functions
 are named by import path). Each ``--dotted.key value`` after it overrides one entry
 (``--compute_config.plan_ngpus 2``, ``--log.0.args.root_dir runs``); values are read as

@@ -1,5 +1,5 @@
 """nnScaler's import path of the Trainer: ``from nnscaler.cli.trainer import Trainer``.
-The Trainer lives in :mod:`nnscaler.trainer.trainer`, its parts beside it."""
+The Trainer lives in `nnscaler.trainer.trainer`, its parts beside it."""
 
 from __future__ import annotations
 

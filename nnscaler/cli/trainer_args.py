@@ -1,7 +1,7 @@
 """nnScaler's import path of the Trainer's configuration:
-``from nnscaler.cli.trainer_args import *`` gives :class:`TrainerArgs`, every config
-class and :class:`~nnscaler.ComputeConfig`, as nnScaler's quickstart expects. They live
-in :mod:`nnscaler.trainer.args`."""
+``from nnscaler.cli.trainer_args import *`` gives `TrainerArgs`, every config
+class and [`ComputeConfig`][nnscaler.ComputeConfig], as nnScaler's quickstart expects. They live
+in `nnscaler.trainer.args`."""
 
 from __future__ import annotations
 

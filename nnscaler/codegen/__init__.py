@@ -1,15 +1,15 @@
 """Code generation: a planned graph to one readable torch program per runtime rank.
 
-- :func:`build_program`: the analysis shared by all ranks (tensor layouts, adapters in one
+- `build_program`: the analysis shared by all ranks (tensor layouts, adapters in one
   global order, parameter holders, process groups); raises for plans it cannot emit;
-- :func:`generate_rank` / :func:`generate`: the source of ``gencode{rank}.py``;
-- :func:`emit_files`: every rank's file and ``fullmodel.pt``, written atomically;
-- :func:`load_generated_class`: import a rank's ``GenModel``.
+- `generate_rank` / `generate`: the source of ``gencode{rank}.py``;
+- `emit_files`: every rank's file and ``fullmodel.pt``, written atomically;
+- `load_generated_class`: import a rank's ``GenModel``.
 
 A graph cut into pipeline stages becomes one method per stage and the rank's schedule
-(:mod:`nnscaler.codegen.pipeline` finds the stages, :mod:`nnscaler.codegen.stage_writer`
-writes them; ``docs/pipeline.md``). :mod:`nnscaler.codegen.emit` writes a rank's file from
-the parts of :mod:`nnscaler.codegen.file_parts`.
+(`nnscaler.codegen.pipeline` finds the stages, `nnscaler.codegen.stage_writer`
+writes them; ``docs/pipeline.md``). `nnscaler.codegen.emit` writes a rank's file from
+the parts of `nnscaler.codegen.file_parts`.
 
 See ``docs/codegen.md`` for what the generated code looks like and
 ``docs/internals/parallel-runtime.md`` for the contract it implements.

@@ -1,12 +1,12 @@
 """Source for one op call: ``torch.nn.functional.linear(t5, self.fc_weight, None)``.
 
 Registered ops are called through ``opdef.fn`` in the op's calling convention
-(:meth:`~nnscaler.ops.registry.OpDef.replay`), spelled by the op's name when that name
+(`replay`), spelled by the op's name when that name
 resolves to the function; ``torch.Tensor`` methods read as methods (``t5.view(4, 8)``),
 their operator dunders as operators (``t5[0:2]``, ``2.0 / t5``) and their properties as
 attributes (``t5.T``); tensor-list ops take their list (``torch.cat([t1, t2], dim=1)``).
 An opaque op is called as it was recorded: ``op.fn(*op.inputs, **op.kwargs)``. A
-function no import path reaches is a :class:`CodegenError`, unless it was registered
+function no import path reaches is a `CodegenError`, unless it was registered
 with ``code_impl_pattern='source'`` (its source is copied into the generated file).
 """
 
@@ -143,7 +143,7 @@ def _public(fn: Any) -> tuple[str, str] | None:
 
 def _spell(fn: Any, name: str) -> tuple[str, str] | None:
     """An expression that names ``fn`` and the module to import: its public name in
-    :mod:`nnscaler.runtime.ops` for nnscaler's own implementations, else ``name`` if it
+    `nnscaler.runtime.ops` for nnscaler's own implementations, else ``name`` if it
     resolves to ``fn``, else ``fn``'s own module and qualified name."""
     public = _public(fn)
     if public is not None:
@@ -295,7 +295,7 @@ def _without_defaults(sig: inspect.Signature | None, fn: Any, kwargs: dict[str, 
 def _keywords(fn: Any, kwargs: dict[str, Any], written: frozenset[str]) -> frozenset[str]:
     """The arguments to pass by keyword: those the function's own signature takes by that
     name; for a function ``inspect`` cannot see into (a C builtin), those the model's call
-    passed by keyword (``written``), the others positionally, as :meth:`OpDef.call` does."""
+    passed by keyword (``written``), the others positionally, as `OpDef.call` does."""
     try:
         own = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -324,7 +324,7 @@ def _drop_trailing_defaults(sig: inspect.Signature | None, args: list[Any]) -> l
 def call_source(op: Op, inputs: Sequence[Any], kwargs: dict[str, Any], *,
                 where: str = "") -> CallSource:
     """The source that calls ``op`` with ``inputs``/``kwargs`` laid out as ``op.inputs``/
-    ``op.kwargs`` (tensors replaced by :class:`Code` variables)."""
+    ``op.kwargs`` (tensors replaced by `Code` variables)."""
     opdef = op.opdef
     if opdef is None:
         fn, name = op.fn, op.name

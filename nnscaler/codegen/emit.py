@@ -10,7 +10,7 @@ rank's ops in program order, each under a ``# file:line  code`` comment. See
 
 A pipelined program (``docs/pipeline.md``) has instead one method ``_stage_{s}`` per stage
 the rank runs, the rank's schedule as module-level ``SCHEDULE`` text and a ``pipeline``
-class attribute (:class:`nnscaler.runtime.pipeline.Pipeline`) for the executor.
+class attribute (`nnscaler.runtime.pipeline.Pipeline`) for the executor.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 def _call_key(x: Any) -> Hashable | None:
     """A key equal for arguments that generated code writes alike: variables
-    (:class:`Code`) by their text, plain constants by type and value, and lists, tuples,
+    (`Code`) by their text, plain constants by type and value, and lists, tuples,
     dicts (in order) and slices of those; None for anything else (a tensor constant,
     an object), which is then written anew."""
     if isinstance(x, Code):
@@ -199,9 +199,9 @@ class _Rank:
         return lines
 
     def call(self, op: Op, inputs: list[Any], kwargs: dict[str, Any]) -> CallSource:
-        """:func:`call_source` for ``op`` reading these variables and constants; the
+        """`call_source` for ``op`` reading these variables and constants; the
         instances of one op on other devices often read the same names (the parts of a
-        split): with :attr:`calls` shared, the source is made once for them all. An op
+        split): with `calls` shared, the source is made once for them all. An op
         with an ``emit_fn`` (which sees the instance itself) is made for each."""
         key = None
         if self.calls is not None and (op.opdef is None or op.opdef.emit_fn is None):
@@ -258,7 +258,7 @@ class _Rank:
         """This device's lines of ``steps``: blocks of lines, each with or without
         gradients and under the autocast its ops were traced in; a block ``(None,
         [marker])`` opens or closes a piece of a recompute group
-        (:mod:`nnscaler.codegen.recompute`), which adapters cut."""
+        (`nnscaler.codegen.recompute`), which adapters cut."""
         blocks: list[tuple[_Mode | None, list[str]]] = []  # ((no_grad, autocast), lines)
         open_: list[int] = []  # the key of the open piece, if any
 
@@ -310,7 +310,7 @@ class _Rank:
         return blocks
 
     def steps_lines(self, steps: list[OpStep]) -> list[str]:
-        """:meth:`steps_body` rendered (the blocks under their ``with`` statements)."""
+        """`steps_body` rendered (the blocks under their ``with`` statements)."""
         return _render(self.steps_body(steps))
 
     def mutated_var(self, step: OpStep, full: FullTensor) -> str:
@@ -454,7 +454,7 @@ class _Rank:
     # -- the file -----------------------------------------------------------------------
     def device_code(self) -> DeviceCode:
         """The parts of the file that depend on the device only: the same in every scale
-        unit (wrapped already, see :class:`DeviceCode`)."""
+        unit (wrapped already, see `DeviceCode`)."""
         p = self.p
         stages = self.stages
         if stages is None:
@@ -511,10 +511,10 @@ class _Rank:
 
     def source(self, code: DeviceCode | None = None, shared: Wrapped | None = None,
                adapter_lines: dict[tuple[int, int], Wrapped] | None = None) -> str:
-        """The file of this rank; ``code``: this device's :meth:`device_code`, made by a
+        """The file of this rank; ``code``: this device's `device_code`, made by a
         rank of another scale unit (it is the same in every unit unless
-        :attr:`DeviceCode.per_unit`); ``shared``: :func:`program_attributes`;
-        ``adapter_lines``: :meth:`adapter_definition` by adapter and unit offset, filled
+        `DeviceCode.per_unit`); ``shared``: `program_attributes`;
+        ``adapter_lines``: `adapter_definition` by adapter and unit offset, filled
         as they are made (the ranks of one unit that run an adapter share its lines)."""
         if code is None or code.per_unit:
             code = self.device_code()
@@ -577,7 +577,7 @@ def generate_rank(program: Program, rank: int) -> str:
 
 
 def generate(program: Program) -> dict[int, str]:
-    """The source of every rank's file, by rank (each is :func:`generate_rank`'s).
+    """The source of every rank's file, by rank (each is `generate_rank`'s).
 
     The body of a file depends on the rank's device only, so it is made once per device
     of the plan and shared by that device's ranks in the other scale units: the work grows

@@ -1,8 +1,8 @@
 """The parts a rank's file is put together from, each wrapped once
-(:class:`Wrapped`): the header docstring, the class attributes every rank's file shares
-(:func:`program_attributes`), and what depends on the rank's device only
-(:class:`DeviceCode`, made once per device and shared by the scale units,
-:func:`nnscaler.codegen.generate`).
+(`Wrapped`): the header docstring, the class attributes every rank's file shares
+(`program_attributes`), and what depends on the rank's device only
+(`DeviceCode`, made once per device and shared by the scale units,
+`nnscaler.codegen.generate`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def program_attributes(p: Program) -> Wrapped:
 
 @attrs.frozen
 class Wrapped:
-    """Lines of generated code and the same lines wrapped (:func:`wrap_lines`);
+    """Lines of generated code and the same lines wrapped (`wrap_lines`);
     ``ends_in_string``: a triple-quoted string opened in them is still open at the end."""
 
     raw: tuple[str, ...]
@@ -102,10 +102,9 @@ class DeviceCode:
     """What the file of a rank holds that depends only on its device (rank modulo
     ``plan_ngpus``): the ranks of the same device in different scale units differ only in
     their rank numbers (the header, the adapters' runtime devices, the pipeline's ranks),
-    so this is made once per device and shared (:func:`generate`, :func:`emit_files
-    <nnscaler.codegen.emit_files>`). ``per_unit``: the body names runtime ranks after all
-    (a forward input whose gradient is summed over the scale unit), so each rank makes
-    its own."""
+    so this is made once per device and shared (`generate`, `emit_files`). ``per_unit``: the body
+    names runtime ranks after all (a forward input whose gradient is summed over the scale unit), so
+    each rank makes its own."""
 
     where: str  # the pipeline stages of the device, for the header
     imports: Wrapped

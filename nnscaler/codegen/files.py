@@ -2,8 +2,8 @@
 
 Each file is written atomically (a temporary file in the same directory, then
 ``os.replace``), so a reader never sees half a file. The names are the folder format's
-(:mod:`nnscaler.gendir`); ``config.json`` is not written here: :func:`nnscaler.parallelize`
-writes it last, after these files.
+(`nnscaler.gendir`); ``config.json`` is not written here:
+[`nnscaler.parallelize`][nnscaler.parallelize] writes it last, after these files.
 """
 
 from __future__ import annotations
@@ -99,11 +99,11 @@ def emit_files(
     ``outdir`` (created if missing); returns the paths written.
 
     ``state`` is the traced module (or its parameters and buffers by name, non-persistent
-    buffers included); ``compute_config`` (a :class:`~nnscaler.config.ComputeConfig`, or a mapping
+    buffers included); ``compute_config`` (a [`ComputeConfig`][nnscaler.ComputeConfig], or a mapping
     of some of its fields) gives the reducer options and the pipeline schedule; ``forward_signature`` (the traced module's
     ``inspect.signature(module.forward)``) orders the generated forward's arguments and
     keeps the untraced ones with their defaults. ``program`` reuses an analysis made by
-    :func:`~nnscaler.codegen.build_program` with the same arguments; ``origin`` (what
+    `build_program` with the same arguments; ``origin`` (what
     produced the plan: ``module``, ``policy``) goes into each file's header.
     """
     if program is None:

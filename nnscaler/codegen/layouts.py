@@ -1,4 +1,4 @@
-"""From the pieces op instances hold to RVD layouts (:class:`nnscaler.layout.Layout`).
+"""From the pieces op instances hold to RVD layouts (`nnscaler.layout.Layout`).
 
 A set of pieces of one full tensor, one per device, forms a layout when it is a grid:
 
@@ -8,7 +8,7 @@ A set of pieces of one full tensor, one per device, forms a layout when it is a 
   held by the same number ``r`` of devices (the replicas).
 
 Devices are then listed in the layout's coordinate order ``(r, v, d_0, ...)``. Value parts
-carry a *value key* (which splits made them, see :mod:`nnscaler.graph.pieces`); the parts
+carry a *value key* (which splits made them, see `nnscaler.graph.pieces`); the parts
 that one replica sums must come from the same splits.
 """
 
@@ -112,7 +112,7 @@ def _grid(shape: tuple[int, ...], placed: Sequence[Placed]) -> Layout | str:
 
 
 def to_layout(full: FullTensor, placed: Sequence[Placed], *, what: str) -> Layout:
-    """The layout of ``placed`` pieces of ``full``; a :class:`CodegenError` that names
+    """The layout of ``placed`` pieces of ``full``; a `CodegenError` that names
     ``what`` (e.g. which op writes them) when they are not a grid."""
     found = _grid(full.shape, placed)
     if isinstance(found, str):
@@ -186,7 +186,7 @@ def relabel_invariant(registry: object = None) -> bool:
     every primitive of ``registry`` (default: the active adapters) is one of nnscaler's
     own. The planner itself compares devices and orders them; the primitives' costs may
     read the devices of a group, and nnscaler's own only test them for equality. Then
-    the plan between layouts shifted by ``k`` devices is :func:`shifted_plan` of the
+    the plan between layouts shifted by ``k`` devices is `shifted_plan` of the
     plan between the layouts themselves (``tests/codegen/test_unit_plans.py``)."""
     reg = active_registry("adapters") if registry is None else registry
     return all(type(prim).__module__ == _BUILTIN_PRIMITIVES for _, prim in reg.items())
@@ -195,7 +195,7 @@ def relabel_invariant(registry: object = None) -> bool:
 def unit_plan(plan: Plan, offset: int, *, invariant: bool | None = None) -> Plan:
     """The plan between ``plan``'s layouts shifted by ``offset`` devices (the same layout
     change in the scale unit that starts at runtime rank ``offset``): ``plan`` renamed
-    where the planner is :func:`relabel_invariant` (``invariant``: that, when the caller
+    where the planner is `relabel_invariant` (``invariant``: that, when the caller
     knows it), else planned anew. Planning costs milliseconds per adapter, and a program
     has ``adapters x scale units`` of them."""
     if not offset:

@@ -1,11 +1,11 @@
 """Python source for the constants an op was called with.
 
-:func:`literal` turns a recorded argument into source that evaluates to it: numbers
+`literal` turns a recorded argument into source that evaluates to it: numbers
 (``inf`` and ``nan`` included), strings, ``None``, dtypes (``torch.float32``), the
 runtime device (``self.device``: every device a model passed is recorded as
-:data:`~nnscaler.ir.CURRENT_DEVICE`), slices, ``Ellipsis``, ``torch.Size``, memory
-formats, layouts and nested lists, tuples and dicts of these. A :class:`Code` leaf is
-source already (a variable name). Anything else is a :class:`CodegenError` naming the
+`CURRENT_DEVICE`), slices, ``Ellipsis``, ``torch.Size``, memory
+formats, layouts and nested lists, tuples and dicts of these. A `Code` leaf is
+source already (a variable name). Anything else is a `CodegenError` naming the
 value.
 """
 

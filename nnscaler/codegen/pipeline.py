@@ -1,7 +1,8 @@
 """Pipeline stages in code generation: which devices run which stage, and what crosses.
 
-A policy cuts the graph into stages with :meth:`nnscaler.graph.IRGraph.staging` and
-places each stage's op instances on a set of devices. Code generation then needs:
+A policy cuts the graph into stages with
+[`nnscaler.graph.IRGraph.staging`][nnscaler.IRGraph.staging] and places each stage's op instances on
+a set of devices. Code generation then needs:
 
 - the *pipeline devices*: the device sets of the stages. With ``p`` pipeline devices and
   ``S = p * v`` stages, stage ``s`` runs on device set ``s % p`` (the layout of
@@ -17,9 +18,9 @@ places each stage's op instances on a set of devices. Code generation then needs
 - the boundary tensors: every activation produced in a stage ``a`` and read in a later
   stage ``b`` (graph outputs are read by the last stage) is sent by stages ``a .. b-1``
   and received by ``a+1 .. b`` (a stage in between passes it on);
-- the schedule: ``compute_config.pipeline`` (:class:`nnscaler.config.PipelineConfig`:
+- the schedule: ``compute_config.pipeline`` (`nnscaler.config.PipelineConfig`:
   the scheduler's name over ``nmicros`` micro-batches), checked with
-  :func:`nnscaler.schedule.simulate`.
+  `nnscaler.schedule.simulate`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = [
 def pipeline_settings(compute_config: ComputeConfig,
                       pipeline: PipelineConfig | Mapping[str, Any] | None = None
                       ) -> PipelineConfig:
-    """The schedule of a staged graph: ``pipeline`` (a :class:`PipelineConfig`, or a
+    """The schedule of a staged graph: ``pipeline`` (a `PipelineConfig`, or a
     mapping with ``pipeline_nmicros`` / ``pipeline_scheduler`` over the compute config's
     ``pas_config``) or else ``compute_config.pipeline``; the micro-batch count is required."""
     if isinstance(pipeline, Mapping):

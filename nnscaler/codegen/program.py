@@ -1,6 +1,6 @@
 """The analysis behind code generation: what every device runs, in one global order.
 
-:func:`build_program` walks a planned graph once, for all ranks:
+`build_program` walks a planned graph once, for all ranks:
 
 - it groups the op instances into *steps*: consecutive instances of one traced op (one
   instance per device at most);
@@ -8,18 +8,18 @@
   buffers and constants in their *canonical* layout, the one their first consumer wants
   with value parts folded into replicas; forward inputs replicated on every device), and
   the layout each step reads it in;
-- where the two differ it plans an adapter (:func:`nnscaler.layout.plan`), reusing an
+- where the two differ it plans an adapter (`nnscaler.layout.plan`), reusing an
   earlier adapter of the same tensor to the same layout;
 - graph outputs are brought to ``R(plan_ngpus)`` (replicated on the whole scale unit);
 - it records the holders of every parameter piece and the process groups all ranks
   create, in one order;
 - for a graph cut into pipeline stages it also finds the stages' device sets, the
   tensors that cross each stage boundary and the schedule
-  (:mod:`nnscaler.codegen.pipeline`); layouts are then seen per stage (a tensor made in
+  (`nnscaler.codegen.pipeline`); layouts are then seen per stage (a tensor made in
   an earlier stage arrives lane by lane in the layout it was made in, a parameter is held
   by every stage that reads it) and adapters never span two stages.
 
-:mod:`nnscaler.codegen.emit` then writes one file per rank from the result.
+`nnscaler.codegen.emit` then writes one file per rank from the result.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Leaf:
 
     In a pipeline, ``layout`` is on the devices of pipeline device ``group`` (that of its
     first reader); every pipeline device in ``groups`` (those whose stages read it) holds
-    the same pieces lane by lane (see :mod:`nnscaler.codegen.pipeline`)."""
+    the same pieces lane by lane (see `nnscaler.codegen.pipeline`)."""
 
     full: FullTensor
     layout: Layout
@@ -138,7 +138,7 @@ class Output:
 
 @attrs.define(eq=False)
 class Program:
-    """Everything :mod:`nnscaler.codegen.emit` needs to write any rank's file."""
+    """Everything `nnscaler.codegen.emit` needs to write any rank's file."""
 
     graph: IRGraph
     plan_ngpus: int
@@ -202,7 +202,7 @@ class Program:
 
 
 def program_config(compute_config: Any, plan_ngpus: int, runtime_ngpus: int) -> ComputeConfig:
-    """The :class:`~nnscaler.config.ComputeConfig` a program is built for: ``compute_config``
+    """The [`ComputeConfig`][nnscaler.ComputeConfig] a program is built for: ``compute_config``
     (or the fields of a mapping or object, or the defaults for None) with ``plan_ngpus``
     and ``runtime_ngpus``; validated by ``ComputeConfig`` itself."""
     if isinstance(compute_config, ComputeConfig):
@@ -291,23 +291,23 @@ def build_program(
 ) -> Program:
     """Analyse a planned, checked graph for code generation (see the module docstring).
 
-    Raises :class:`~nnscaler.graph.PlanCheckError` for an incomplete plan (an op not
+    Raises `PlanCheckError` for an incomplete plan (an op not
     assigned to a device of ``0 .. plan_ngpus - 1``, a piece nothing writes) and
-    :class:`CodegenError` for what code generation cannot do (pieces that do not form an
+    `CodegenError` for what code generation cannot do (pieces that do not form an
     RVD layout, ``runtime_ngpus`` not a multiple of ``plan_ngpus``, ...).
 
-    A graph cut into two or more stages (:meth:`~nnscaler.graph.IRGraph.staging`) becomes
-    a pipeline (see :mod:`nnscaler.codegen.pipeline`): ``pipeline`` (a
-    :class:`~nnscaler.config.PipelineConfig` or a dict with ``pipeline_nmicros`` and
+    A graph cut into two or more stages ([`staging`][nnscaler.IRGraph.staging]) becomes
+    a pipeline (see `nnscaler.codegen.pipeline`): ``pipeline`` (a
+    `PipelineConfig` or a dict with ``pipeline_nmicros`` and
     ``pipeline_scheduler``) or else ``compute_config.pipeline`` gives the schedule.
 
-    ``compute_config`` is a :class:`~nnscaler.config.ComputeConfig`, or a mapping (or an
+    ``compute_config`` is a [`ComputeConfig`][nnscaler.ComputeConfig], or a mapping (or an
     object) with some of its fields, turned into one with ``plan_ngpus`` and
     ``runtime_ngpus``; it gives the reducer options (``compute_config.reducer``).
 
     ``origin`` says what produced the plan, for the header of each file: ``module`` (the
     model's class path), ``policy`` (its name) and ``config`` (other compute config
-    fields worth showing, by name); :func:`nnscaler.parallelize` passes them.
+    fields worth showing, by name); [`nnscaler.parallelize`][nnscaler.parallelize] passes them.
     """
     config = program_config(compute_config, plan_ngpus, runtime_ngpus)
     if not isinstance(graph, Graph):
@@ -610,7 +610,7 @@ class _Builder:
 
     def _first_part(self, full: FullTensor, dst: Layout, insts: list[Op], k: int) -> bool:
         """Whether input ``k`` of ``insts`` is a weight read in value parts into an
-        argument that may be ``None`` (see :class:`Read`); if so the weight is held on the
+        argument that may be ``None`` (see `Read`); if so the weight is held on the
         devices of value part 0 only (its first reader decides, as for every weight)."""
         if dst.v == 1 or not full.is_leaf or full.version or full.kind not in (
                 TensorKind.PARAMETER, TensorKind.BUFFER, TensorKind.CONSTANT):

@@ -19,11 +19,11 @@ Two things are not recomputed, by design:
   them and their outputs are kept. Replaying a collective inside another rank's backward
   order could deadlock;
 - an op that changes one of the method's inputs in place (the recomputation would see
-  the changed value): refused by :func:`check_inputs_unchanged`.
+  the changed value): refused by `check_inputs_unchanged`.
 
 A group whose op talks to its sibling parts (a collective part op such as the
 class-parallel cross-entropy) or that spans two pipeline stages is refused when the
-program is built (:func:`check_groups`).
+program is built (`check_groups`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _parse(lines: Sequence[str]) -> list[ast.stmt]:
 
 def extract(body: list[str], params: Sequence[str], segments: dict[int, Segment],
             *, enabled: bool = True) -> tuple[list[str], list[list[str]]]:
-    """``body`` (a method's lines, holding :data:`BEGIN`/:data:`END` markers) with each
+    """``body`` (a method's lines, holding `BEGIN`/`END` markers) with each
     marked piece replaced by a checkpointed call, and the methods to add to the class
     (each a list of lines, without the class indentation). ``params``: the method's
     parameters. ``enabled`` False (inference only): the pieces stay inline."""

@@ -1,10 +1,10 @@
 """Write the pipeline's parts of a rank's file: one method ``_stage_{s}`` per stage the
 rank runs (what it receives, its ops, what it sends on), ``_check_inputs``, the rank's
 schedule as module-level ``SCHEDULE`` text and the ``pipeline`` class attribute
-(:class:`nnscaler.runtime.pipeline.Pipeline`) the executor reads. ``docs/pipeline.md``
+(`nnscaler.runtime.pipeline.Pipeline`) the executor reads. ``docs/pipeline.md``
 shows such a file.
 
-The ops of a stage are written by the rank's writer (:mod:`nnscaler.codegen.emit`), as
+The ops of a stage are written by the rank's writer (`nnscaler.codegen.emit`), as
 for an unpipelined forward; this module writes what is around them.
 """
 

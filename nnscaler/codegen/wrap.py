@@ -1,4 +1,4 @@
-"""Lines of generated code wrapped at :data:`WIDTH` columns, the way a person would.
+"""Lines of generated code wrapped at `WIDTH` columns, the way a person would.
 
 A statement that ends in a call or a bracketed literal is broken inside its last bracket:
 the opening line keeps everything up to the bracket, the arguments follow one level
@@ -143,7 +143,7 @@ def wrap_lines(lines: list[str], width: int = WIDTH) -> list[str]:
 
 def unwrap(source: str) -> str:
     """``source`` with every wrapped statement and comment back on one line (what the
-    file would read without :func:`wrap_lines`): for tools and tests that match lines."""
+    file would read without `wrap_lines`): for tools and tests that match lines."""
     out: list[str] = []
     depth = 0
     in_string = False

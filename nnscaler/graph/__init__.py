@@ -1,14 +1,16 @@
 """The policy writer's API: partition, replicate, assign, multiref, staging, recompute.
 
 A policy is a callable ``(graph, compute_config) -> graph`` that receives an
-:class:`IRGraph` and places every op of it on the devices of a scale unit:
+[`IRGraph`][nnscaler.IRGraph] and places every op of it on the devices of a scale unit:
 
-- :meth:`IRGraph.select` / :meth:`IRGraph.nodes` find ops;
-- :meth:`IRGraph.partition` splits an op through its transform space,
-  :meth:`IRGraph.replicate` copies it, :meth:`IRGraph.assign` places an instance;
-- :meth:`IRGraph.multiref`, :meth:`IRGraph.staging`, :meth:`IRGraph.recompute`;
-- :func:`check_plan` (or :meth:`IRGraph.check`) says whether a plan is complete, and
-  :func:`run_plan` runs it on one process, the reference that plans are tested against.
+- [`IRGraph.select`][nnscaler.IRGraph.select] / [`IRGraph.nodes`][nnscaler.IRGraph.nodes] find ops;
+- [`IRGraph.partition`][nnscaler.IRGraph.partition] splits an op through its transform space,
+  [`IRGraph.replicate`][nnscaler.IRGraph.replicate] copies it,
+  [`IRGraph.assign`][nnscaler.IRGraph.assign] places an instance;
+- [`IRGraph.multiref`][nnscaler.IRGraph.multiref], [`IRGraph.staging`][nnscaler.IRGraph.staging],
+  [`IRGraph.recompute`][nnscaler.IRGraph.recompute];
+- `check_plan` (or [`IRGraph.check`][nnscaler.IRGraph.check]) says whether a plan is complete, and
+  `run_plan` runs it on one process, the reference that plans are tested against.
 
 See ``docs/policies.md``.
 """

@@ -3,13 +3,13 @@
 A transformer of 24 layers calls the same ops 24 times, with the same shapes, the same
 annotations, from the same module structure; only the weights differ. A policy that
 plans one layer can reuse the plan for the others, so its time does not grow with the
-number of layers. :func:`repeated_blocks` finds them in program order.
+number of layers. `repeated_blocks` finds them in program order.
 
 A *block* is a run of consecutive ops that share a *layer path*: the module path up to
 and including its first numeric part (``gpt.blocks.3.attn.q_proj`` -> ``gpt.blocks.3``;
 an op of an enclosing module right after the layer, such as the activation a
 ``Sequential`` applies between layers, is not part of it). Two blocks are instances of
-one :class:`BlockKind` when they have the same *signature*: for each op in order, its
+one `BlockKind` when they have the same *signature*: for each op in order, its
 name, its annotation bound to its shapes, its keyword arguments, its module path below
 the layer path and its module class, its no-grad flag, and how each of its inputs is
 wired (the output of an op of the block, at a position; a parameter or buffer, with its

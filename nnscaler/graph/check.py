@@ -7,7 +7,7 @@ Three rules, checked in this order:
    pieces it reads gives the shapes of the pieces it writes;
 3. every piece an op reads (and every graph output) can be formed from the pieces that
    earlier ops write: where it lies, their value parts sum to the whole value (see
-   :mod:`nnscaler.graph.pieces`). Parameters, buffers, constants and inputs are leaves,
+   `nnscaler.graph.pieces`). Parameters, buffers, constants and inputs are leaves,
    available whole everywhere.
 
 Moving pieces between devices is the layout layer's job; the check only asks that the
@@ -36,7 +36,7 @@ def _same_shape(a: tuple[int, ...] | None, b: tuple[int, ...]) -> bool:
 
 
 def check_plan(graph: Graph, ndevices: int) -> None:
-    """Raise :class:`~nnscaler.graph.PlanCheckError` unless ``graph`` is a complete plan
+    """Raise `PlanCheckError` unless ``graph`` is a complete plan
     for ``ndevices`` devices (see the module docstring for the rules)."""
     if isinstance(ndevices, bool) or not isinstance(ndevices, int) or ndevices < 1:
         raise PlanCheckError(f"check: ndevices is the number of devices of the scale unit, a "
@@ -150,7 +150,7 @@ def _check_shapes(g: IRGraph, op: Op, bound_by: dict[Hashable, Any]) -> None:
 
 
 def written_by(g: IRGraph, op: Op) -> list[tuple[SubTensor, ValueKey]]:
-    """The pieces ``op`` writes, each with its value key (see :mod:`nnscaler.graph.pieces`)."""
+    """The pieces ``op`` writes, each with its value key (see `nnscaler.graph.pieces`)."""
     results = len(list(tensors_in(op.outputs)))
     return [(piece, g.value_key(op, k) if k < results else ())
             for k, piece in enumerate(op.output_tensors())]

@@ -1,17 +1,19 @@
 """``IRGraph``: the traced graph as a policy sees it, with the operations a policy applies.
 
 A policy is a callable ``(graph, compute_config) -> graph``. It finds ops with
-:meth:`IRGraph.select`, splits them with :meth:`IRGraph.partition` (through the op's
-transform space, see ``docs/annotations.md``) or copies them with
-:meth:`IRGraph.replicate`, places every resulting op instance on a device with
-:meth:`IRGraph.assign`, and may cut the program into pipeline stages
-(:meth:`IRGraph.staging`), mark ops for recomputation (:meth:`IRGraph.recompute`) or give
-each consumer of a tensor its own copy (:meth:`IRGraph.multiref`). :meth:`IRGraph.check`
-then says whether the plan is complete. See ``docs/policies.md``.
+[`IRGraph.select`][nnscaler.IRGraph.select], splits them with
+[`IRGraph.partition`][nnscaler.IRGraph.partition] (through the op's transform space, see
+``docs/annotations.md``) or copies them with [`IRGraph.replicate`][nnscaler.IRGraph.replicate],
+places every resulting op instance on a device with [`IRGraph.assign`][nnscaler.IRGraph.assign], and
+may cut the program into pipeline stages ([`IRGraph.staging`][nnscaler.IRGraph.staging]), mark ops
+for recomputation ([`IRGraph.recompute`][nnscaler.IRGraph.recompute]) or give each consumer of a
+tensor its own copy ([`IRGraph.multiref`][nnscaler.IRGraph.multiref]).
+[`IRGraph.check`][nnscaler.IRGraph.check] then says whether the plan is complete. See
+``docs/policies.md``.
 
 Partitioning and replicating replace an op *in place*: its instances take its position in
 program order, so the order of the program never changes. An instance reads and writes
-:class:`~nnscaler.ir.SubTensor` pieces of the op's tensors; splitting an instance again
+`SubTensor` pieces of the op's tensors; splitting an instance again
 splits its pieces further.
 """
 
@@ -68,12 +70,12 @@ def _plain_equal(a: Any, b: Any) -> bool:
 
 
 class IRGraph(Graph):
-    """A traced :class:`~nnscaler.ir.Graph` plus the policy writer's operations.
+    """A traced `Graph` plus the policy writer's operations.
 
-    Build one from a traced graph with :meth:`from_graph` (``parallelize`` does this before
-    it calls the policy). The graph keeps track of what each op became: an op that was
-    partitioned or replicated is no longer in :attr:`ops`, and passing it again gives an
-    error that names its instances (:meth:`instances` lists them).
+    Build one from a traced graph with [`from_graph`][nnscaler.IRGraph.from_graph] (``parallelize``
+    does this before it calls the policy). The graph keeps track of what each op became: an op that
+    was partitioned or replicated is no longer in `ops`, and passing it again gives an
+    error that names its instances ([`instances`][nnscaler.IRGraph.instances] lists them).
     """
 
     def __init__(self) -> None:
@@ -168,7 +170,8 @@ class IRGraph(Graph):
         return True
 
     def origin(self, op: Op) -> Op:
-        """The traced op (or the op inserted by :meth:`multiref`) that ``op`` comes from."""
+        """The traced op (or the op inserted by [`multiref`][nnscaler.IRGraph.multiref]) that ``op``
+        comes from."""
         return self._origin.get(op, op)
 
     def instances(self, op: Op) -> list[Op]:
@@ -183,7 +186,7 @@ class IRGraph(Graph):
     def split_parts(self, op: Op) -> list[Op]:
         """The parts of the split that made the instance ``op`` (``op`` among them), in
         part order; ``[op]`` when ``op`` is not a part of a split. The parts of a
-        collective part op (:attr:`OpDef.collective <nnscaler.ops.registry.OpDef>`) are
+        collective part op (`OpDef.collective`) are
         the group it talks to."""
         at = op
         while at in self._parent and at not in self._split:  # e.g. rewired by multiref
@@ -200,7 +203,7 @@ class IRGraph(Graph):
         ``((identifier, num), part)`` for each, outermost first (``()``: whole values).
 
         Parts of one tensor are summed only when these keys agree on the splits (see
-        :mod:`nnscaler.graph.pieces`): parts of ``sum(x)`` split over rows do not mix with
+        `nnscaler.graph.pieces`): parts of ``sum(x)`` split over rows do not mix with
         parts split over columns.
         """
         key = []
@@ -250,7 +253,7 @@ class IRGraph(Graph):
 
     # -- replacing ops ------------------------------------------------------------------
     def _position(self, op: Op) -> int:
-        """Where ``op`` is in :attr:`ops`. Policies mostly replace ops in program order, so
+        """Where ``op`` is in `ops`. Policies mostly replace ops in program order, so
         the search starts where the last replacement ended (linear in the distance, not in
         the graph: partitioning every op stays linear) and wraps around."""
         hint = getattr(self, "_hint", 0)  # (a graph unpickled from an older version)
@@ -610,8 +613,8 @@ class IRGraph(Graph):
 
     # -- checking -----------------------------------------------------------------------
     def check(self, ndevices: int) -> None:
-        """Raise :class:`~nnscaler.graph.PlanCheckError` unless the plan is complete on
-        ``ndevices`` devices; see :func:`nnscaler.graph.check_plan`."""
+        """Raise `PlanCheckError` unless the plan is complete on
+        ``ndevices`` devices; see `nnscaler.graph.check_plan`."""
         from nnscaler.graph.check import check_plan
 
         check_plan(self, ndevices)
@@ -624,5 +627,5 @@ class IRGraph(Graph):
 
 
 def as_irgraph(graph: Graph) -> IRGraph:
-    """``graph`` itself when it is an :class:`IRGraph`, else a copy of it as one."""
+    """``graph`` itself when it is an [`IRGraph`][nnscaler.IRGraph], else a copy of it as one."""
     return graph if isinstance(graph, IRGraph) else IRGraph.from_graph(graph)

@@ -1,8 +1,8 @@
 """Ops that the graph API inserts into a graph, registered as a built-in plugin.
 
 - ``nnscaler.graph.ops.multiref``: ``multiref(tensor, times)`` returns ``times``
-  references to ``tensor``, one for each consumer (see :meth:`IRGraph.multiref
-  <nnscaler.graph.IRGraph.multiref>`). It is the identity, so every dim splits and the
+  references to ``tensor``, one for each consumer (see
+  [`IRGraph.multiref`][nnscaler.IRGraph.multiref]). It is the identity, so every dim splits and the
   copies split the same way: ``d0 d1 -> d0 d1, d0 d1``.
 """
 

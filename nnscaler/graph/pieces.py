@@ -1,10 +1,10 @@
 """Which pieces of a tensor make up a given region: the arithmetic behind ``check`` and
 ``run_plan``.
 
-A piece (:class:`~nnscaler.ir.SubTensor`) holds index ranges and a value part
+A piece (`SubTensor`) holds index ranges and a value part
 ``(p, n)``, read here as the interval ``[p/n, (p+1)/n)`` of the tensor's value. A region
 can be formed from a set of pieces when every element of it lies in pieces whose value
-intervals tile ``[0, 1)``: summing those pieces gives the value there. :func:`cover` cuts
+intervals tile ``[0, 1)``: summing those pieces gives the value there. `cover` cuts
 the region into cells along every piece boundary and, for each cell, picks such a tiling
 (replicas of one piece count once); it returns the first cell that none can tile
 otherwise.
@@ -34,7 +34,7 @@ ValueKey = tuple[tuple[Hashable, int], ...]  # ((split, part), ...), outermost f
 @attrs.frozen
 class Cell:
     """A box of the region (absolute ranges) and the pieces whose values sum to it there
-    (``picks``: their positions in the sequence given to :func:`cover`)."""
+    (``picks``: their positions in the sequence given to `cover`)."""
 
     ranges: Ranges
     pieces: tuple[SubTensor, ...]
@@ -123,7 +123,7 @@ def cover(
     """Cut ``ranges`` (one ``(start, stop)`` per dim) into cells that ``pieces`` can form.
 
     ``keys`` holds each piece's value key (default: all the same). Returns the cells, each
-    with the pieces to sum there, or the first :class:`Gap`.
+    with the pieces to sum there, or the first `Gap`.
     """
     ranges = tuple((int(a), int(b)) for a, b in ranges)
     keyed = [(at, p, () if keys is None else tuple(keys[at])) for at, p in enumerate(pieces)]

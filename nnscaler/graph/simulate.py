@@ -4,14 +4,14 @@ The simulator is the reference that plans are tested against: a partitioned, rep
 graph must compute what the module computes. It runs the op instances in program order.
 For each piece an instance reads, it assembles the region of the full tensor from the
 pieces written so far (summing value parts, placing index ranges, see
-:mod:`nnscaler.graph.pieces`) and cuts the piece: a value part ``p`` of ``n`` holds the
+`nnscaler.graph.pieces`) and cuts the piece: a value part ``p`` of ``n`` holds the
 whole value when ``p == 0`` and zeros otherwise, so the parts sum to the value. Leaves
 (parameters, buffers, constants, inputs) are the module's and the arguments' own tensors,
 so autograd runs through the pieces back to the module's parameters.
 
 The parts of a split that talk to each other (a collective part op, e.g. a cross-entropy
 over classes split in parts) run together, as threads joined by a
-:class:`~nnscaler.anno.partgroup.PartGroup`.
+`PartGroup`.
 
 Devices are not simulated: every instance runs here, whatever its device. Moving pieces
 between devices is the layout layer's job, with its own simulator.
@@ -72,15 +72,15 @@ def run_plan(
     """Run every op instance of ``graph`` on its pieces and return the forward's outputs.
 
     ``module`` is the traced module (or its ``name -> tensor`` parameters and buffers) and
-    ``forward_args`` the forward's arguments, as for :func:`nnscaler.ir.run_graph`. Raises
-    :class:`~nnscaler.graph.RunPlanError` when a piece cannot be formed (run
-    :func:`~nnscaler.graph.check_plan` first for the full diagnosis).
+    ``forward_args`` the forward's arguments, as for `nnscaler.ir.run_graph`. Raises
+    `RunPlanError` when a piece cannot be formed (run
+    `check_plan` first for the full diagnosis).
     """
     return _PlanRun(as_irgraph(graph), module, forward_args, device).run_all()
 
 
 class _PlanRun:
-    """One run of :func:`run_plan`: the pieces written so far and the regions assembled."""
+    """One run of `run_plan`: the pieces written so far and the regions assembled."""
 
     def __init__(self, g: IRGraph, module: torch.nn.Module | Mapping[str, torch.Tensor],
                  forward_args: Mapping[str, Any], device: torch.device | str | None) -> None:

@@ -1,6 +1,6 @@
 """Bridges from nnscaler to other trainers; each is an optional extra.
 
-- :mod:`nnscaler.integration.lightning`: ``NnScalerStrategy``, a PyTorch Lightning
+- `nnscaler.integration.lightning`: ``NnScalerStrategy``, a PyTorch Lightning
   strategy (``pip install "nnscaler[lightning]"``).
 
 Nothing here is imported by ``import nnscaler``: a bridge imports its trainer, which

@@ -23,9 +23,9 @@ What the strategy does, in Lightning's order:
    ``runtime_ngpus / plan_ngpus`` replicas); the ranks of a unit read the same samples;
 4. checkpoints: every rank writes its own file, ``<checkpoint path>/rank{r}.ckpt`` (the
    checkpoint path is a folder), holding Lightning's whole checkpoint with this rank's
-   model and optimizer state. :func:`merge_checkpoint` merges the folder into the
-   original model's state dict with :func:`nnscaler.merge_state_dicts`; resuming
-   (``trainer.fit(..., ckpt_path=folder)``) reloads each rank's own file after the model
+   model and optimizer state. `merge_checkpoint` merges the folder into the
+   original model's state dict with [`nnscaler.merge_state_dicts`][nnscaler.merge_state_dicts];
+   resuming (``trainer.fit(..., ckpt_path=folder)``) reloads each rank's own file after the model
    is parallelized again.
 
 Logging (``self.log(..., sync_dist=True)``), the progress bar and callbacks work as
@@ -77,7 +77,7 @@ def rank_checkpoint_path(path: str | os.PathLike[str], rank: int) -> Path:
 
 def merge_checkpoint(path: str | os.PathLike[str], prefix: str = "model."
                      ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Merge the checkpoint folder that :class:`NnScalerStrategy` wrote into the state
+    """Merge the checkpoint folder that `NnScalerStrategy` wrote into the state
     dict of the original (not parallelized) model, and its optimizer state.
 
     ``prefix``: the module path of the parallelized model inside the LightningModule
@@ -121,10 +121,10 @@ def _as_forward_args(module: torch.nn.Module, example: Any) -> dict[str, Any]:
 
 class NnScalerStrategy(DDPStrategy):
     """A Lightning strategy that runs the LightningModule's ``model`` as an nnscaler
-    :class:`~nnscaler.runtime.ParallelModule` (see the module docstring).
+    [`ParallelModule`][nnscaler.ParallelModule] (see the module docstring).
 
     Args:
-        compute_config: the :class:`~nnscaler.ComputeConfig`; ``runtime_ngpus`` must be
+        compute_config: the [`ComputeConfig`][nnscaler.ComputeConfig]; ``runtime_ngpus`` must be
             the number of processes (``devices * num_nodes``). ``use_end2end`` must be
             False: the LightningModule calls the model and computes the loss.
         pas_policy: a registered policy name (``'dp'``, ``'tp'``, ``'megatron'``, ...) or a

@@ -1,18 +1,18 @@
 """The intermediate representation: tensors, sub-tensors, ops and the graph.
 
-- :class:`FullTensor`: one logical tensor (shape, dtype, kind, qualified names, version);
-- :class:`SubTensor`: the piece of a full tensor one op instance holds (index ranges per
+- `FullTensor`: one logical tensor (shape, dtype, kind, qualified names, version);
+- `SubTensor`: the piece of a full tensor one op instance holds (index ranges per
   dim and a value part), what the layout layer reasons about;
-- :class:`Op`: one recorded call, with its bound annotation, where it came from, and
+- `Op`: one recorded call, with its bound annotation, where it came from, and
   whether it ran in place or without gradients;
-- :class:`Graph`: ops in program order with producers and consumers, the forward's
+- `Graph`: ops in program order with producers and consumers, the forward's
   inputs and outputs (nesting kept); ``str(graph)`` prints one op a line;
-- :class:`OpPlan`: where a policy placed an op instance (device, stage, recompute group);
-- :func:`leaf_values`: the values of a graph's parameters, buffers, constants and inputs;
-- :func:`run_graph`: executes a graph on one device (the reference for tests), with
-  :func:`run_ops`: the ops of a list in order on given values (freeing each value after
-  its last reader with :func:`release_schedule`); and
-  :func:`verify_graph`: checks that a graph reproduces its module's outputs and gradients.
+- `OpPlan`: where a policy placed an op instance (device, stage, recompute group);
+- `leaf_values`: the values of a graph's parameters, buffers, constants and inputs;
+- `run_graph`: executes a graph on one device (the reference for tests), with
+  `run_ops`: the ops of a list in order on given values (freeing each value after
+  its last reader with `release_schedule`); and
+  `verify_graph`: checks that a graph reproduces its module's outputs and gradients.
 """
 
 from nnscaler.ir.graph import Graph, GraphError

@@ -18,7 +18,7 @@ class Graph:
     """Ops in the order they ran, with producers and consumers of every full tensor.
 
     ``inputs`` maps each forward argument name to its value's structure, with a
-    :class:`SubTensor` for every tensor and constants elsewhere; ``outputs`` is the value
+    `SubTensor` for every tensor and constants elsewhere; ``outputs`` is the value
     ``forward`` returned, in the same form. ``data_dependent`` lists the Python values that
     the trace read from tensor *data* (``x.item()``, ``if x.any():``) and the calls whose
     result's size depends on data (``torch.nonzero``): the graph holds the values and sizes
@@ -46,7 +46,7 @@ class Graph:
         return self._next_tensor_id - 1
 
     def new_tensor(self, **fields: Any) -> FullTensor:
-        """A new :class:`FullTensor` of this graph (``tid`` is assigned)."""
+        """A new `FullTensor` of this graph (``tid`` is assigned)."""
         t = FullTensor(tid=self._next_tid(), **fields)
         self.tensors.append(t)
         return t
@@ -71,16 +71,16 @@ class Graph:
             self._producers.setdefault(full, []).append(op)
 
     def reindex(self) -> None:
-        """Recompute producers and consumers from :attr:`ops` (after editing the list)."""
+        """Recompute producers and consumers from `ops` (after editing the list)."""
         self._producers, self._consumers = {}, {}
         for op in self.ops:
             self._index(op)
 
     def reindex_replaced(self, op: Op, instances: list[Op]) -> None:
         """Update producers and consumers after ``op`` was replaced, at its place in
-        :attr:`ops`, by ``instances`` that read and write the same full tensors (a
+        `ops`, by ``instances`` that read and write the same full tensors (a
         partition or a replication): linear in the size of the lists touched, where
-        :meth:`reindex` is linear in the graph."""
+        `reindex` is linear in the graph."""
 
         def fulls(ops: list[Op], kind: str) -> list[dict[FullTensor, None]]:
             attr = "input_tensors" if kind == "in" else "output_tensors"
@@ -142,7 +142,7 @@ class Graph:
 
     # -- checks and text ----------------------------------------------------------------
     def validate(self) -> None:
-        """Raise :class:`GraphError` if an op reads a tensor that nothing produced before it."""
+        """Raise `GraphError` if an op reads a tensor that nothing produced before it."""
         ready = {t.full for t in self.input_tensors()}
         ready |= {t for t in self.tensors if t.is_leaf}
         for op in self.ops:

@@ -1,6 +1,6 @@
 """Run a graph on one device: the reference that the traced graph is checked against.
 
-:func:`run_graph` executes the ops in order on real tensors, with the module's parameters
+`run_graph` executes the ops in order on real tensors, with the module's parameters
 and buffers and the forward arguments. Because it runs the very calls the model made, in
 the same order and grad mode, its outputs and gradients equal the module's bit for bit.
 """
@@ -51,7 +51,7 @@ def leaf_values(
 
     ``params`` is the traced module (or a ``name -> tensor`` map of its parameters and
     buffers); ``forward_args`` holds a value for every argument the graph was traced with,
-    nested the same way. Raises :class:`InterpreterError` naming what is missing.
+    nested the same way. Raises `InterpreterError` naming what is missing.
     """
     state = _state_of(params)
     env: dict[FullTensor, Any] = {}
@@ -108,7 +108,7 @@ def run_graph(
 
     ``params`` is the traced module (or a ``name -> tensor`` map of its parameters and
     buffers); ``forward_args`` holds a value for every argument the graph was traced with,
-    nested the same way. ``device`` replaces :data:`~nnscaler.ir.CURRENT_DEVICE` in the
+    nested the same way. ``device`` replaces `CURRENT_DEVICE` in the
     recorded arguments (default: the device of the first input or parameter, else CPU).
     """
     env = leaf_values(graph, params, forward_args)
@@ -131,7 +131,7 @@ def _value(leaf: Any, env: Mapping[FullTensor, Any], device: torch.device) -> An
 
 
 def _values(tree: Any, env: Mapping[FullTensor, Any], device: torch.device) -> Any:
-    """``tree`` with each leaf's value (:func:`_value`); flat lists and dicts, the usual
+    """``tree`` with each leaf's value (`_value`); flat lists and dicts, the usual
     arguments, without pytree's walk."""
     if isinstance(tree, dict):
         if not any(isinstance(v, _NESTED) for v in tree.values()):
@@ -146,7 +146,7 @@ _NESTED = (list, tuple, dict)
 
 def release_schedule(ops: Sequence[Op], keep: Collection[FullTensor] = ()
                      ) -> dict[int, list[FullTensor]]:
-    """For :func:`run_ops`: per op index, the values the ops compute that are read for
+    """For `run_ops`: per op index, the values the ops compute that are read for
     the last time there (or never read), except those ``keep`` names."""
     kept = set(keep)
     last: dict[FullTensor, int] = {}
@@ -166,10 +166,10 @@ def run_ops(ops: Sequence[Op], env: dict[FullTensor, Any], device: torch.device,
             release: Mapping[int, Sequence[FullTensor]] | None = None) -> None:
     """Run ``ops`` in order, each in its recorded grad mode, reading their tensors from
     ``env`` (which must hold every leaf they read) and adding what each writes to it.
-    :func:`run_graph` runs a graph's ops so; a policy may run a list of them on values it
+    `run_graph` runs a graph's ops so; a policy may run a list of them on values it
     made up (to time them, say).
 
-    ``release`` (:func:`release_schedule`) drops each value from ``env`` after its last
+    ``release`` (`release_schedule`) drops each value from ``env`` after its last
     reader, as the generated code does: holding every intermediate until the end costs
     memory and time (fresh pages for every tensor; a Llama's forward ran about 30% slower
     so)."""
@@ -223,10 +223,10 @@ def verify_graph(
 ) -> None:
     """Check that ``graph`` reproduces ``module``: outputs and parameter gradients.
 
-    Runs the module and :func:`run_graph` from the same random seed and buffer state, on
+    Runs the module and `run_graph` from the same random seed and buffer state, on
     fresh copies of ``forward_args``; backpropagates the sum of every output that requires
     grad; compares with ``torch.allclose(rtol, atol)`` (default: bitwise). Raises
-    :class:`GraphMismatchError` naming the first output or gradient that differs.
+    `GraphMismatchError` naming the first output or gradient that differs.
     """
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
 

@@ -31,13 +31,13 @@ def autocast_context(autocast: Sequence[tuple[str, torch.dtype]]) -> Any:
 
 @attrs.define(kw_only=True)
 class OpPlan:
-    """How a policy runs one op instance; filled by :mod:`nnscaler.graph`, empty when traced.
+    """How a policy runs one op instance; filled by `nnscaler.graph`, empty when traced.
 
     - ``device``: the device of the scale unit that runs the instance;
-    - ``stage``: its pipeline stage (:meth:`nnscaler.graph.IRGraph.staging`);
+    - ``stage``: its pipeline stage ([`nnscaler.graph.IRGraph.staging`][nnscaler.IRGraph.staging]);
     - ``recompute``: the activation-recomputation group it belongs to.
 
-    Unlike the :class:`Op` that holds it, a plan is mutable: ``attrs.evolve(op, ...)``
+    Unlike the `Op` that holds it, a plan is mutable: ``attrs.evolve(op, ...)``
     shares it, so pass ``plan=`` a new one when copying an op.
     """
 
@@ -50,7 +50,7 @@ class OpPlan:
 
 
 def tensors_in(tree: Any) -> Iterator[SubTensor]:
-    """Every :class:`SubTensor` in a nested structure of lists, tuples and dicts."""
+    """Every `SubTensor` in a nested structure of lists, tuples and dicts."""
     for leaf in pytree.tree_leaves(tree):
         if isinstance(leaf, SubTensor):
             yield leaf
@@ -64,12 +64,12 @@ class Op:
       no annotation): it can only be replicated;
     - ``anno``: the annotation bound to this call's shapes (``None`` when opaque);
     - ``inputs``: aligned with ``anno.inputs`` (the annotated parameters, in order); for an
-      opaque op, the positional arguments. Tensors are :class:`SubTensor`, possibly inside
+      opaque op, the positional arguments. Tensors are `SubTensor`, possibly inside
       lists (``torch.cat``); everything else is a constant;
     - ``kwargs``: every other argument, by name (constants; a tensor here is an input too);
     - ``keywords``: the parameters the model's call passed by keyword (generated code
       passes them by keyword again, as the user wrote them);
-    - ``outputs``: the leaves of the value the function returned (a :class:`SubTensor` per
+    - ``outputs``: the leaves of the value the function returned (a `SubTensor` per
       tensor, constants otherwise) and ``output_spec``, how they nest;
     - ``mutations``: ``(before, after)`` per tensor the op changed in place: later ops see
       ``after``, a new version of the same tensor;
@@ -77,10 +77,10 @@ class Op:
       ``module_class``, the model's ``source_file``/``source_line`` and its ``code``;
     - ``no_grad``: the call ran with gradients disabled;
     - ``autocast``: ``(device_type, dtype)`` for every device type whose ``torch.autocast``
-      was on during the call (``()``: none); :meth:`call` and generated code run the op
+      was on during the call (``()``: none); `call` and generated code run the op
       under the same autocast, so it computes in the dtypes eager did;
     - ``plan``: where a policy placed this instance (device, pipeline stage, recompute
-      group); see :class:`OpPlan`.
+      group); see `OpPlan`.
     """
 
     oid: int
@@ -152,7 +152,7 @@ class Op:
         return pytree.tree_unflatten(list(self.outputs), self.output_spec)
 
     def call(self, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        """Run the op on concrete ``inputs``/``kwargs`` laid out as :attr:`inputs`/:attr:`kwargs`."""
+        """Run the op on concrete ``inputs``/``kwargs`` laid out as `inputs`/`kwargs`."""
         with autocast_context(self.autocast):
             if self.opdef is not None:
                 return self.opdef.call(inputs, kwargs)

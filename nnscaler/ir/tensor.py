@@ -1,5 +1,5 @@
-"""Tensors of the IR: a :class:`FullTensor` is one logical tensor of the model, a
-:class:`SubTensor` is the piece of it that one op instance reads or writes.
+"""Tensors of the IR: a `FullTensor` is one logical tensor of the model, a
+`SubTensor` is the piece of it that one op instance reads or writes.
 
 A sub-tensor is described by two maps, so that the layout layer can compare pieces with
 plain arithmetic and never look at data:
@@ -70,7 +70,7 @@ class FullTensor:
       head tied to the token embedding), or the argument path of a forward input;
     - ``persistent``: for buffers, whether it is in the module's ``state_dict``;
     - ``base``: for a version > 0, the version-0 tensor;
-    - ``value``: the captured value of a :attr:`TensorKind.CONSTANT` (None otherwise).
+    - ``value``: the captured value of a `TensorKind.CONSTANT` (None otherwise).
     """
 
     tid: int

@@ -1,12 +1,12 @@
 """RVD layouts and the pure planner that moves a tensor between them.
 
-- :class:`Layout`: ``R(r)V(v)D(d...)@[devices]`` over a known full shape, with
-  :func:`piece`, :func:`materialize` and :func:`assemble`;
-- :class:`Primitive`, :class:`Step`, :class:`Plan`: the vocabulary of plans; the
-  built-in primitives are a plugin (:mod:`nnscaler.layout.primitives`) registered
+- `Layout`: ``R(r)V(v)D(d...)@[devices]`` over a known full shape, with
+  `piece`, `materialize` and `assemble`;
+- `Primitive`, `Step`, `Plan`: the vocabulary of plans; the
+  built-in primitives are a plugin (`nnscaler.layout.primitives`) registered
   through ``nnscaler_register_adapters``;
-- :func:`plan`: the cheapest composition of registered primitives, pure and cached;
-- :func:`execute`, :func:`execute_adjoint`: the single-process simulator.
+- `plan`: the cheapest composition of registered primitives, pure and cached;
+- `execute`, `execute_adjoint`: the single-process simulator.
 
 Nothing here talks to ``torch.distributed``; see ``docs/layouts.md``.
 """

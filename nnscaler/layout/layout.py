@@ -1,6 +1,6 @@
 """RVD layouts: how one full tensor is spread over an ordered group of devices.
 
-A :class:`Layout` says that a tensor of full shape ``shape`` lives on ``devices`` as
+A `Layout` says that a tensor of full shape ``shape`` lives on ``devices`` as
 ``r`` replicas of ``v`` value-partial parts (the true value is the sum of the ``v``
 parts), each part split into ``d[i]`` equal chunks along tensor dim ``i``; so
 ``len(devices) == r * v * prod(d)``.
@@ -16,9 +16,9 @@ Value-partial semantics. For every replica and every chunk, the ``v`` devices th
 share ``(r, d)`` (a *part group*) hold tensors whose sum is that chunk of the full
 tensor; which device holds which part is immaterial.
 
-Gradients. :meth:`Layout.dual` is the layout of a gradient under the exact transpose:
+Gradients. `Layout.dual` is the layout of a gradient under the exact transpose:
 ``R`` and ``V`` swap (a replicated value's gradient is value-partial over its replicas,
-a value-partial value's gradient is replicated), ``D`` stays. :meth:`Layout.replicated`
+a value-partial value's gradient is replicated), ``D`` stays. `Layout.replicated`
 is its layout under the replicated-gradient convention (every device holds the whole
 gradient of its chunk).
 """
@@ -181,7 +181,7 @@ class Layout:
 
     # -- coordinates --------------------------------------------------------------------
     def index(self, device: int) -> int:
-        """The position of ``device`` in :attr:`devices`."""
+        """The position of ``device`` in `devices`."""
         try:
             return _index_map(self)[device]
         except KeyError:
@@ -251,7 +251,7 @@ def unravel(index: int, counts: Sequence[int]) -> tuple[int, ...]:
 
 
 def ravel(coords: Sequence[int], counts: Sequence[int]) -> int:
-    """Inverse of :func:`unravel`."""
+    """Inverse of `unravel`."""
     index = 0
     for c, n in zip(coords, counts):
         index = index * n + c
@@ -330,7 +330,7 @@ def _as_mapping(
 
 
 def check_pieces(per_device: Mapping[int, torch.Tensor], layout: Layout, what: str) -> None:
-    """Raise :class:`LayoutError` unless ``per_device`` has one tensor of the piece shape
+    """Raise `LayoutError` unless ``per_device`` has one tensor of the piece shape
     on every device of ``layout`` and nothing else."""
     keys = set(per_device)
     want = set(layout.devices)

@@ -574,9 +574,9 @@ def plan(src: Layout, dst: Layout, registry: Any = None) -> Plan:
     """The cheapest plan found that turns a tensor in layout ``src`` into layout ``dst``.
 
     ``registry`` holds the primitives the planner may compose: a
-    :class:`nnscaler.registry.Registry` (default: the plugin manager's adapter registry,
+    `nnscaler.registry.Registry` (default: the plugin manager's adapter registry,
     whose entries were validated at registration) or a mapping ``name -> Primitive``
-    (validated here: anything else is a :class:`LayoutError`). The result is cached on
+    (validated here: anything else is a `LayoutError`). The result is cached on
     the layouts and the registered primitives.
     """
     for name, layout in (("src", src), ("dst", dst)):

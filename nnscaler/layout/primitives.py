@@ -1,7 +1,7 @@
 """The built-in communication primitives, registered as a plugin.
 
-This module is an ordinary nnscaler plugin: :func:`nnscaler_register_adapters` puts
-every primitive of :data:`BUILTIN_PRIMITIVES` into the adapter registry, exactly as a
+This module is an ordinary nnscaler plugin: `nnscaler_register_adapters` puts
+every primitive of `BUILTIN_PRIMITIVES` into the adapter registry, exactly as a
 third-party plugin would add its own. Forward semantics (``k`` = group size, ``x_m`` =
 input of member ``m``) and the exact adjoint of each:
 
@@ -365,9 +365,9 @@ BUILTIN_PRIMITIVES: tuple[Primitive, ...] = (
 
 
 def validate_primitive(name: str, obj: Any) -> None:
-    """The adapter registry's ``validate``: ``obj`` is a hashable :class:`Primitive`
-    registered under its own name, with a transition of :data:`TRANSITIONS` (or None) and
-    an adjoint name. (That the adjoint is registered is :func:`check_adjoints`'s job, once
+    """The adapter registry's ``validate``: ``obj`` is a hashable `Primitive`
+    registered under its own name, with a transition of `TRANSITIONS` (or None) and
+    an adjoint name. (That the adjoint is registered is `check_adjoints`'s job, once
     every plugin has registered.)"""
     if not isinstance(obj, Primitive):
         raise TypeError(

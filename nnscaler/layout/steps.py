@@ -1,12 +1,12 @@
 """The vocabulary of plans: primitives, device groups, steps and plans.
 
-A :class:`Primitive` is a small frozen value: its forward semantics on the list of
+A `Primitive` is a small frozen value: its forward semantics on the list of
 tensors of one device group, its cost, and the *name* of its adjoint primitive (looked
-up in the same registry). A :class:`Step` applies one primitive to disjoint device
-groups with one set of parameters; a :class:`Plan` is the tuple of steps that turns a
+up in the same registry). A `Step` applies one primitive to disjoint device
+groups with one set of parameters; a `Plan` is the tuple of steps that turns a
 tensor in layout ``src`` into the same tensor in layout ``dst``.
 
-Nothing here communicates: the simulator (:mod:`nnscaler.layout.execute`) runs steps on
+Nothing here communicates: the simulator (`nnscaler.layout.execute`) runs steps on
 per-device tensors in one process, and the runtime runs the same steps over process
 groups.
 """
@@ -23,7 +23,7 @@ from nnscaler.layout.layout import Layout
 
 __all__ = ["TRANSITIONS", "Group", "Plan", "Primitive", "Step"]
 
-#: The layout moves a primitive can declare in :attr:`Primitive.transition`. ``"A->B"``
+#: The layout moves a primitive can declare in `Primitive.transition`. ``"A->B"``
 #: moves a factor ``k`` of the device grid from axis A to axis B (R, V, or a D dim) over
 #: groups of ``k`` devices; ``"move"`` is a point-to-point copy (with sums) between any
 #: two layouts; ``"broadcast"`` sends one piece to many devices.
@@ -44,11 +44,11 @@ TRANSITIONS: tuple[str, ...] = (
 class Primitive:
     """A communication (or local) primitive over one device group.
 
-    Subclasses implement :meth:`forward` and :meth:`cost`; both receive the step's
+    Subclasses implement `forward` and `cost`; both receive the step's
     parameters as keywords. ``adjoint`` names the primitive that computes the transpose
     of this one (``<forward(x), y> == <x, adjoint.forward(y)>`` summed over devices) and
-    :meth:`adjoint_params` maps this primitive's parameters to the adjoint's.
-    ``transition`` (one of :data:`TRANSITIONS`, or ``None``) tells the planner which
+    `adjoint_params` maps this primitive's parameters to the adjoint's.
+    ``transition`` (one of `TRANSITIONS`, or ``None``) tells the planner which
     layout move this primitive performs; the planner only uses primitives that declare
     one. ``exact_adjoint`` is ``False`` for the rare primitive whose declared backward is
     a convention, not the transpose (see ``identity_allreduce``).
@@ -168,7 +168,7 @@ class Plan:
     """The steps that move a tensor from layout ``src`` to layout ``dst``.
 
     ``cost`` estimates communication: elements sent or received by the busiest device,
-    summed over steps (:meth:`cost_bytes` multiplies by the element size).
+    summed over steps (`cost_bytes` multiplies by the element size).
     """
 
     src: Layout
@@ -180,7 +180,7 @@ class Plan:
         return sum(step.cost for step in self.steps)
 
     def cost_bytes(self, itemsize: int) -> float:
-        """:attr:`cost` in bytes for elements of ``itemsize`` bytes."""
+        """`cost` in bytes for elements of ``itemsize`` bytes."""
         return self.cost * itemsize
 
     @property

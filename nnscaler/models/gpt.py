@@ -7,7 +7,7 @@ head tied to the token embedding. Attention runs through
 softmax over a masked score matrix (``attn='manual'``); both compute the same function.
 
 ``GPTWithLoss`` takes a batch ``{'input_ids': [B, T], 'labels': [B, T]}`` and returns the
-mean cross-entropy: the form :func:`nnscaler.parallelize` and the trainer expect.
+mean cross-entropy: the form [`nnscaler.parallelize`][nnscaler.parallelize] and the trainer expect.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "manual")
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of a :class:`GPT`. ``seq_len`` is the longest sequence (position table size)."""
+    """Sizes of a `GPT`. ``seq_len`` is the longest sequence (position table size)."""
 
     vocab_size: int = 50304
     n_layer: int = 12
@@ -156,7 +156,7 @@ class GPT(nn.Module):
 
 
 class GPTWithLoss(nn.Module):
-    """A :class:`GPT` whose forward takes ``{'input_ids', 'labels'}`` and returns the loss."""
+    """A `GPT` whose forward takes ``{'input_ids', 'labels'}`` and returns the loss."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -170,7 +170,7 @@ class GPTWithLoss(nn.Module):
 def make_batch(
     config: GPTConfig, batch_size: int, seq_len: int | None = None, *, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """A random batch for :class:`GPTWithLoss`: labels are the inputs shifted by one."""
+    """A random batch for `GPTWithLoss`: labels are the inputs shifted by one."""
     t = config.seq_len if seq_len is None else seq_len
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch_size, t + 1), generator=g)

@@ -15,7 +15,7 @@ from torch import nn
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-    """Sizes of an :class:`MLP`: ``n_layers`` linears, ``d_in -> d_hidden ... -> n_classes``."""
+    """Sizes of an `MLP`: ``n_layers`` linears, ``d_in -> d_hidden ... -> n_classes``."""
 
     d_in: int = 16
     d_hidden: int = 32
@@ -46,7 +46,7 @@ class MLP(nn.Module):
 
 
 def make_batch(config: MLPConfig, batch_size: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random batch for :class:`MLP`."""
+    """A random batch for `MLP`."""
     g = torch.Generator().manual_seed(seed)
     return {
         "x": torch.randn(batch_size, config.d_in, generator=g),

@@ -1,6 +1,6 @@
 """Operators: the op registry, ``register_op``, the built-in annotations of torch functions
-(:mod:`nnscaler.ops.builtin`, a plugin like any other) and the promise check of a
-registered op against its annotation (:mod:`nnscaler.ops.verify`).
+(`nnscaler.ops.builtin`, a plugin like any other) and the promise check of a
+registered op against its annotation (`nnscaler.ops.verify`).
 """
 
 from nnscaler.ops.registry import OpDef, OpRegistry, register_op

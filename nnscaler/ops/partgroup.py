@@ -1,6 +1,6 @@
-"""The parts of one split that talk to each other (see :mod:`nnscaler.anno.partgroup`).
+"""The parts of one split that talk to each other (see `nnscaler.anno.partgroup`).
 
-The interface is defined beside the transform space in :mod:`nnscaler.anno`, whose promise
+The interface is defined beside the transform space in `nnscaler.anno`, whose promise
 check runs collective part ops; this module keeps the name ops and users import it by.
 """
 

@@ -2,13 +2,13 @@
 
 An *operator* is a callable that the tracer records as one node of the graph, never
 looking inside it, and whose annotation says how it can be split. Built-in torch
-functions are registered by family in :mod:`nnscaler.ops.builtin`; users add their own
-with :func:`register_op` (or a plugin's ``nnscaler_register_ops`` hook).
+functions are registered by family in `nnscaler.ops.builtin`; users add their own
+with [`register_op`][nnscaler.register_op] (or a plugin's ``nnscaler_register_ops`` hook).
 
 Calling convention. An op's annotation has one entry per *annotated parameter*: the
 first ``len(anno.inputs)`` parameters of the op's signature, in order. Every other
 parameter is a keyword argument of the op (it may give hidden-dim sizes, and transforms
-may rewrite it). :meth:`OpDef.bind` turns a concrete call ``fn(*args, **kwargs)`` into
+may rewrite it). `OpDef.bind` turns a concrete call ``fn(*args, **kwargs)`` into
 that form.
 """
 
@@ -28,7 +28,7 @@ from nnscaler.hookspecs import hookimpl
 from nnscaler.registry import USER_REGISTRANT, Registry, active_registry
 
 #: Set by the tracer while it records a model: ``interceptor(opdef, args, kwargs)``
-#: replaces the call of every function wrapped by :func:`register_op`.
+#: replaces the call of every function wrapped by [`register_op`][nnscaler.register_op].
 op_call_interceptor: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
     "nnscaler_op_call_interceptor", default=None
 )
@@ -71,7 +71,7 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-#: Where :meth:`OpDef.replay` puts an argument.
+#: Where `OpDef.replay` puts an argument.
 _ARG, _KW, _STAR, _STARSTAR = object(), object(), object(), object()
 
 
@@ -88,8 +88,8 @@ class OpDef:
     arguments encode sizes (``view``, ``expand``, ``split``, ...) rewrite them for part
     ``part`` of a partition; it runs after the transform's own keyword updates.
     ``collective=True`` marks an op whose calls are the parts of one split that talk to
-    each other (a :class:`~nnscaler.anno.TransformRule` names it as its ``part_op``): it
-    takes the keyword ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup` of the
+    each other (a [`TransformRule`][nnscaler.TransformRule] names it as its ``part_op``): it
+    takes the keyword ``group``, a `PartGroup` of the
     parts, which generated code, the plan simulator and ``verify_op`` supply.
     """
 
@@ -105,7 +105,7 @@ class OpDef:
     collective: bool = False
     registrant: str = ""
     source: str = ""  # where it was registered, for messages
-    #: :meth:`replay`'s routes by argument names (and the signature's parameter names)
+    #: `replay`'s routes by argument names (and the signature's parameter names)
     _routes: dict[Any, Any] = attrs.field(factory=dict, init=False, repr=False)
 
     def rules_for(self, bound: Any) -> tuple[TransformRule, ...]:
@@ -242,7 +242,7 @@ class OpDef:
     def _route(self, ninputs: int, names: tuple[str, ...], keywords: frozenset[str]
                ) -> tuple[tuple[str, object], ...]:
         """Per present argument, in the signature's order: positional, keyword, ``*args``
-        or ``**kwargs`` (:meth:`replay`'s rule, computed once per argument names)."""
+        or ``**kwargs`` (`replay`'s rule, computed once per argument names)."""
         P = inspect.Parameter
         present = set(self._param_names[:ninputs]) | set(names)
         route: list[tuple[str, object]] = []
@@ -309,7 +309,7 @@ class OpRegistry(Registry[OpDef]):
 
         Everything given is checked here, so that a wrong registration fails when it is
         made (naming the op and the registering plugin), not at trace or codegen time:
-        see :func:`check_op_options`.
+        see `check_op_options`.
         """
         who = registrant or self._current_registrant
         name = check_op_options(
@@ -393,8 +393,8 @@ def check_op_options(
 ) -> str:
     """Check the arguments of an op registration; returns the op's name.
 
-    Raises :class:`~nnscaler.errors.RegistrationError` (or
-    :class:`~nnscaler.anno.AnnotationError` for a malformed annotation, with the caret)
+    Raises [`RegistrationError`][nnscaler.errors.RegistrationError] (or
+    `AnnotationError` for a malformed annotation, with the caret)
     naming the op and ``registrant``.
     """
     if name is not None and (not isinstance(name, str) or not name):
@@ -484,10 +484,10 @@ def op_name_of(fn: Callable) -> str:
 
 
 class UserOps:
-    """Ops registered from user code with :func:`register_op`: a plugin (``"user code"``)
-    that every plugin manager loads last, so each new manager gets them too.
+    """Ops registered from user code with [`register_op`][nnscaler.register_op]: a plugin (``"user
+    code"``) that every plugin manager loads last, so each new manager gets them too.
 
-    :meth:`add` checks a registration at once (:func:`check_op_options`, and against the
+    `add` checks a registration at once (`check_op_options`, and against the
     loaded op registry when there is one); a registration that is refused is not kept, so
     it cannot break later ``parallelize`` calls in the process.
     """
@@ -525,7 +525,7 @@ class UserOps:
                 raise
 
 
-#: the ops registered from user code (see :class:`UserOps`)
+#: the ops registered from user code (see `UserOps`)
 user_ops = UserOps()
 
 
@@ -551,15 +551,15 @@ def register_op(
     - ``code_impl_pattern``: ``'import'`` (generated code imports the function) or
       ``'source'`` (generated code carries the function's source).
     - ``emit_fn``: a custom code emitter for the generated code.
-    - ``transform_rules``: :class:`~nnscaler.anno.TransformRule` objects that replace the
+    - ``transform_rules``: [`TransformRule`][nnscaler.TransformRule] objects that replace the
       splits the annotation would derive, or a callable taking the call's bound
       annotation and returning them.
     - ``input_gen_fn``: ``input_gen_fn(rng: random.Random) -> (args, kwargs)`` draws one
-      random valid call of the op; :func:`nnscaler.ops.verify.verify_op` checks the
+      random valid call of the op; `nnscaler.ops.verify.verify_op` checks the
       annotation on such calls (the test suite does so for every built-in op).
     - ``collective``: the function is the *part op* of another op's
-      :class:`~nnscaler.anno.TransformRule` (``part_op=``) whose parts talk to each other:
-      it takes the keyword ``group``, a :class:`~nnscaler.anno.partgroup.PartGroup`.
+      [`TransformRule`][nnscaler.TransformRule] (``part_op=``) whose parts talk to each other:
+      it takes the keyword ``group``, a `PartGroup`.
 
     Returns the function to call in models: for a plain function, a wrapper with the same
     name and docstring; for ``SomeFunction.apply``, ``SomeFunction.apply`` itself is

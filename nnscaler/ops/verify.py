@@ -1,6 +1,6 @@
 """Check an op's annotation against the op itself (the annotation's *promise*).
 
-:func:`verify_op` runs the op on whole inputs, then on the pieces of every entry of its
+`verify_op` runs the op on whole inputs, then on the pieces of every entry of its
 transform space, recombines the pieces as the layouts say and compares. Users can call
 it on their own ``register_op`` ops; the test suite calls it on every built-in op.
 """
@@ -33,7 +33,7 @@ def verify_op(
     """Check ``opdef`` on the call ``fn(*args, **kwargs)``; returns the checked transforms.
 
     ``registry`` resolves the part ops that transform rules name (default: the process-wide
-    op registry). Raises :class:`nnscaler.anno.PromiseBrokenError` naming the transform and
+    op registry). Raises `nnscaler.anno.PromiseBrokenError` naming the transform and
     output that disagree.
     """
     call = opdef.bind(tuple(args), dict(kwargs or {}))

@@ -1,13 +1,14 @@
 """``nnscaler.parallelize`` and its companions: the user-facing API of nnscaler.
 
-- :class:`ComputeConfig`, :class:`ReuseType`, :class:`BroadcastGenFilesStrategy`;
-- :func:`parallelize`: a module (or class) in, a ``ParallelModule`` (or class) out, with
-  ``gencode{rank}.py`` files under ``gen_savedir``;
-- :func:`build_optimizer`: an optimizer patched to sync gradients, gather ZeRO shards,
-  scale and clip gradients;
-- :func:`broadcast_weights`: initial weights from the ranks that have them;
-- :func:`verify`: the plan against the single-device model, op by op;
-- :func:`map_over_ranks`, :func:`call_on_every_rank`: work a policy hands to every rank
+- [`ComputeConfig`][nnscaler.ComputeConfig], [`ReuseType`][nnscaler.ReuseType],
+  [`BroadcastGenFilesStrategy`][nnscaler.BroadcastGenFilesStrategy];
+- [`parallelize`][nnscaler.parallelize]: a module (or class) in, a ``ParallelModule`` (or class)
+  out, with ``gencode{rank}.py`` files under ``gen_savedir``;
+- [`build_optimizer`][nnscaler.build_optimizer]: an optimizer patched to sync gradients, gather ZeRO
+  shards, scale and clip gradients;
+- [`broadcast_weights`][nnscaler.broadcast_weights]: initial weights from the ranks that have them;
+- [`verify`][nnscaler.verify]: the plan against the single-device model, op by op;
+- `map_over_ranks`, `call_on_every_rank`: work a policy hands to every rank
   while rank 0 plans (profiling, measuring collectives).
 
 See ``docs/parallelize.md``.

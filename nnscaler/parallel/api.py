@@ -334,7 +334,7 @@ class _Generator:
 def _share_outcome(outcome: Any) -> Any:
     """Rank 0 sends its outcome (``('ok', generated, digests)`` or ``('error',
     exception)``) to every rank, so that a failure on rank 0 fails every rank instead of
-    hanging them; the other ranks serve the policy's work (:mod:`.workers`) until then."""
+    hanging them; the other ranks serve the policy's work (`workers`) until then."""
     if dist.get_rank() != 0:
         return workers.serve()
     sent = outcome
@@ -363,7 +363,7 @@ def parallelize(
     init_module_params: bool = True,
     broadcast_strategy: str | BroadcastGenFilesStrategy = "none",
 ) -> Any:
-    """Turn a module (or module class) into a :class:`~nnscaler.runtime.ParallelModule`.
+    """Turn a module (or module class) into a [`ParallelModule`][nnscaler.ParallelModule].
 
     Traces ``forward`` on ``dummy_forward_args`` (keyed by argument name), calls the policy
     (a registered name or ``(graph, compute_config) -> graph``), checks that every op was

@@ -1,9 +1,9 @@
 """Moving generated files and initial weights between ranks.
 
-- :func:`broadcast_gen_files`: rank 0 sends newly generated files to the first rank of
+- `broadcast_gen_files`: rank 0 sends newly generated files to the first rank of
   every other node (``BroadcastGenFilesStrategy``); with one node it does nothing.
-- :func:`broadcast_weights`: ranks ``0..stride-1`` send their module state to the ranks
-  ``r`` with ``r % stride`` equal to theirs (for ``broadcast_strategy='no_weights'``).
+- [`broadcast_weights`][nnscaler.broadcast_weights]: ranks ``0..stride-1`` send their module state
+  to the ranks ``r`` with ``r % stride`` equal to theirs (for ``broadcast_strategy='no_weights'``).
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def broadcast_weights(module: torch.nn.Module, stride: int | None = None) -> Non
     For ``broadcast_strategy='no_weights'``: ranks that built their parallel modules with
     ``init_module_params=False`` get the initial weights from ranks that had them.
     ``stride`` defaults to the parallel modules' ``plan_ngpus`` and must be a multiple of
-    it that divides the world size. Call it before :func:`nnscaler.build_optimizer`.
+    it that divides the world size. Call it before
+    [`nnscaler.build_optimizer`][nnscaler.build_optimizer].
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise BroadcastError("broadcast_weights needs torch.distributed to be initialized "

@@ -1,7 +1,7 @@
-"""``ReuseType`` and ``BroadcastGenFilesStrategy``: how :func:`nnscaler.parallelize` treats
-the files it generated before. ``ComputeConfig`` and its parts live on the ground floor,
-in :mod:`nnscaler.config` (every layer reads them); they are re-exported here, where
-nnScaler users import them from.
+"""``ReuseType`` and ``BroadcastGenFilesStrategy``: how
+[`nnscaler.parallelize`][nnscaler.parallelize] treats the files it generated before.
+``ComputeConfig`` and its parts live on the ground floor, in `nnscaler.config` (every layer reads
+them); they are re-exported here, where nnScaler users import them from.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class BroadcastGenFilesStrategy(_LenientEnum):
     - ``ALL``: every file (code, weights, graph, config).
     - ``NO_WEIGHTS``: every file except the initial weights (``fullmodel.pt``); build
       the module with ``init_module_params=False`` off node 0 and call
-      :func:`nnscaler.broadcast_weights`.
+      [`nnscaler.broadcast_weights`][nnscaler.broadcast_weights].
     - ``CODE``: the generated code only (``gencode*.py``).
     """
 

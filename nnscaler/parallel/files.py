@@ -1,12 +1,12 @@
 """Generated files that were edited after generation: ``config.json`` records the sha256 of
-every file (:mod:`nnscaler.gendir`), files that differ are never reused or run
-(:class:`GenFilesChangedError`, :func:`changed_message`), unless their new digests are
-recorded on purpose (:func:`accept_edited_files`).
+every file (`nnscaler.gendir`), files that differ are never reused or run
+(`GenFilesChangedError`, `changed_message`), unless their new digests are
+recorded on purpose (`accept_edited_files`).
 
 The rest of what ``parallelize`` keeps under ``gen_savedir`` is split by concern: the
-folder's format in :mod:`nnscaler.gendir`; where it lives in :mod:`.paths`; what is
-compared for reuse in :mod:`.fingerprint`; writing it whole in :mod:`.staging`; the
-instance lock in :mod:`.locks`; the traced graph in :mod:`.graph_pickle`.
+folder's format in `nnscaler.gendir`; where it lives in `paths`; what is
+compared for reuse in `fingerprint`; writing it whole in `staging`; the
+instance lock in `locks`; the traced graph in `graph_pickle`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What identifies a ``parallelize`` call, for reuse: fingerprints of the module, its
 inputs and the policy, the ``match`` section of ``config.json`` they make
-(:func:`match_key`; its schema is in :mod:`nnscaler.gendir`), the part of it that decides
-whether a saved graph is reused (:func:`graph_key`), and a readable :func:`diff` of two.
+(`match_key`; its schema is in `nnscaler.gendir`), the part of it that decides
+whether a saved graph is reused (`graph_key`), and a readable `diff` of two.
 """
 
 from __future__ import annotations

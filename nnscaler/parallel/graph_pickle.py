@@ -1,5 +1,5 @@
-"""``graph.pkl``: the traced graph, written by :func:`save_graph`, read by a restricted
-unpickler (:func:`load_graph`) that never runs code the file chooses.
+"""``graph.pkl``: the traced graph, written by `save_graph`, read by a restricted
+unpickler (`load_graph`) that never runs code the file chooses.
 
 A plain ``pickle.load`` calls whatever callable the file names (``os.system`` included),
 so a ``graph.pkl`` someone else could write would be a way to run code under
@@ -21,7 +21,7 @@ so a ``graph.pkl`` someone else could write would be a way to run code under
 
 Modules outside ``torch`` and ``nnscaler`` are never imported by the reader: a class of
 theirs is found only if the process imported it already. Anything else is an
-:class:`UnsafeGraphFileError` naming it.
+`UnsafeGraphFileError` naming it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _opdef_by_name(name: str) -> Any:
 def _dispatcher_op(qualified_name: str, overload: str | None) -> Any:
     """``torch.ops.<namespace>.<name>[.<overload>]``, looked up (never imported) by its
     qualified name ``namespace::name``: an op a library defines must be registered in
-    this process already (its module imported), else :class:`UnsafeGraphFileError`."""
+    this process already (its module imported), else `UnsafeGraphFileError`."""
     namespace, sep, name = qualified_name.partition("::")
     if not sep or not namespace.isidentifier() or not name.isidentifier() or (
             overload is not None and not overload.isidentifier()):
@@ -75,7 +75,7 @@ def _dispatcher_op(qualified_name: str, overload: str | None) -> Any:
 
 
 def _tensor_from_bytes(data: bytes) -> torch.Tensor:
-    """A tensor written by :func:`torch.save`, read with ``weights_only=True``."""
+    """A tensor written by `torch.save`, read with ``weights_only=True``."""
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
@@ -101,7 +101,7 @@ class _GraphPickler(pickle.Pickler):
 
 
 def save_graph(graph: Any, path: Path) -> None:
-    """Pickle ``graph`` to ``path`` (what :func:`load_graph` reads back)."""
+    """Pickle ``graph`` to ``path`` (what `load_graph` reads back)."""
     buf = io.BytesIO()
     _GraphPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(graph)
     path.write_bytes(buf.getvalue())
@@ -261,8 +261,8 @@ def _short(obj: Any) -> str:
 
 
 def load_graph(path: Path) -> Any:
-    """Read a graph written by :func:`save_graph`, refusing anything else
-    (:class:`UnsafeGraphFileError`)."""
+    """Read a graph written by `save_graph`, refusing anything else
+    (`UnsafeGraphFileError`)."""
     data = Path(path).read_bytes()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's pytree specs, unpickled

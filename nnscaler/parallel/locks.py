@@ -1,7 +1,7 @@
 """One process at a time works on a generated folder: it holds the instance's file lock
-(:func:`instance_lock`, a sibling ``.{instance}.lock``, and beside it
+(`instance_lock`, a sibling ``.{instance}.lock``, and beside it
 ``.{instance}.lock.owner``: who holds it) from deciding on reuse to the end of loading,
-and cleans up what killed processes left behind (:func:`clean_stale`).
+and cleans up what killed processes left behind (`clean_stale`).
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def _owner_note(outdir: Path) -> str:
 @contextlib.contextmanager
 def instance_lock(outdir: Path, *, timeout: float | None = None) -> Iterator[None]:
     """Hold the file lock of the instance directory ``outdir`` (a ``filelock.FileLock``
-    on :func:`lock_path`), so that two jobs sharing one ``gen_savedir`` never generate,
+    on `lock_path`), so that two jobs sharing one ``gen_savedir`` never generate,
     delete or load each other's files at the same time. Waits up to ``timeout`` seconds
-    (default :data:`LOCK_TIMEOUT_S`), saying after :data:`LOCK_NOTICE_S` seconds that it
-    waits and for whom; then raises :class:`GenFilesLockedError`. On entry, removes what
-    killed processes left behind (:func:`clean_stale`).
+    (default `LOCK_TIMEOUT_S`), saying after `LOCK_NOTICE_S` seconds that it
+    waits and for whom; then raises `GenFilesLockedError`. On entry, removes what
+    killed processes left behind (`clean_stale`).
 
     The lock is an ``flock``: released by the kernel when its holder dies, so a killed
     job never blocks the next one. On a network file system it works where the file
@@ -124,7 +124,7 @@ def clean_stale(outdir: Path) -> list[Path]:
     """Remove what killed processes left beside and inside ``outdir``: staging
     directories (``.{name}.tmp-{pid}-*``) and renamed-aside old directories
     (``.{name}.old-{pid}-*``) whose process is dead, and half-written ``.*.tmp`` files in
-    ``outdir``. Call it holding :func:`instance_lock` (no live process of a job that
+    ``outdir``. Call it holding `instance_lock` (no live process of a job that
     takes the lock is writing them then). Returns what was removed."""
     removed: list[Path] = []
     if outdir.parent.is_dir():

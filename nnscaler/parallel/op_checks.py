@@ -3,7 +3,7 @@
 A built-in op's annotation is checked by the test suite; an op a user or a plugin
 registered is only as right as its annotation. Before code is generated, every such op
 whose pieces the plan runs (the op was split) is run once on random inputs of its traced
-shapes, whole and split as the plan splits it (:func:`nnscaler.anno.check_promise`); a
+shapes, whole and split as the plan splits it (`nnscaler.anno.check_promise`); a
 split whose recombined pieces differ from the whole result is an error naming the op, the
 split dimension and the largest difference. A passing check is remembered for the process
 and on disk (keyed by a hash of the op's name, annotation, source code, shapes, dtypes and
@@ -177,7 +177,7 @@ def _check_one(op: Op, nums: set[int]) -> bool:
 def check_custom_ops(graph: Any, *, cache: bool = True) -> list[str]:
     """Check every custom op that ``graph`` (a planned ``IRGraph``) splits; returns the
     names of the ops checked now (not found in a cache). Raises
-    :class:`CustomOpCheckError` for the first op that breaks its promise."""
+    `CustomOpCheckError` for the first op that breaks its promise."""
     splits: dict[Op, set[int]] = {}
     for inst in graph.nodes():
         origin = graph.origin(inst)

@@ -1,11 +1,11 @@
 """``build_optimizer``: an optimizer over parallel modules, patched for distributed training.
 
-The optimizer gets every :class:`~nnscaler.runtime.ParallelModule`'s
+The optimizer gets every [`ParallelModule`][nnscaler.ParallelModule]'s
 ``parameters_for_optimizer()`` (ZeRO shards when ``use_zero``) plus the parameters of the
 rest of the model, which run plain data parallel across scale units through
 ``optimizer._non_parallel_module_reducer``. Patched in:
 
-- before ``step()``: :func:`sync_shard_grad` (every reducer sums its gradients);
+- before ``step()``: `sync_shard_grad` (every reducer sums its gradients);
 - after ``step()``: every module's ``gather_params()`` (ZeRO: all-gather the shards);
 - ``zero_grad()`` also zeroes the modules' gradient buffers;
 - utilities ``sync_shard_grad()``, ``scale_grads(factor)``, ``clip_gnorm(max_norm)``,
@@ -103,7 +103,7 @@ def _optimizer_grads(self: torch.optim.Optimizer) -> list[tuple[torch.Tensor, in
 
 def scale_grads(self: torch.optim.Optimizer, factor: float) -> None:
     """Multiply every gradient the optimizer will use by ``factor`` (after
-    :func:`sync_shard_grad`: before it, the gradients are not reduced yet)."""
+    `sync_shard_grad`: before it, the gradients are not reduced yet)."""
     with torch.no_grad():
         for grad, _ in _optimizer_grads(self):
             grad.mul_(factor)

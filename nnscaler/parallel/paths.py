@@ -2,8 +2,8 @@
 
     {gen_savedir}/_parallel_modules/{module class, dots as /}/{instance_name or _}/
 
-The folder's own format (file names, ``config.json``) is :mod:`nnscaler.gendir`; the lock
-beside it is :mod:`nnscaler.parallel.locks`.
+The folder's own format (file names, ``config.json``) is `nnscaler.gendir`; the lock
+beside it is `nnscaler.parallel.locks`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def check_instance_name(instance_name: Any) -> None:
 
 
 def check_writable(gen_savedir: str | os.PathLike[str]) -> None:
-    """Raise :class:`GenFilesError` unless files can be created under ``gen_savedir``."""
+    """Raise `GenFilesError` unless files can be created under ``gen_savedir``."""
     path = Path(gen_savedir)
     if path.exists() and not path.is_dir():
         raise GenFilesError(

@@ -1,6 +1,6 @@
 """Generated folders appear whole or not at all: generation writes into a temporary
-sibling that is renamed into place (:func:`staging_dir`), and a folder is removed by
-renaming it aside first (:func:`remove_dir`).
+sibling that is renamed into place (`staging_dir`), and a folder is removed by
+renaming it aside first (`remove_dir`).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 ``verify(module, dummy_forward_args, pas_policy, compute_config)`` answers "does this plan
 train like one device?" and, when it does not, "where does it first go wrong?":
 
-1. it traces the module and plans it exactly as :func:`~nnscaler.parallelize` does, and
+1. it traces the module and plans it exactly as [`parallelize`][nnscaler.parallelize] does, and
    writes the generated files into a temporary folder;
 2. the *reference*: the traced graph runs op by op on one device
-   (:func:`nnscaler.ir.leaf_values`, ``Op.call``), keeping every op's output and, after
+   (`nnscaler.ir.leaf_values`, ``Op.call``), keeping every op's output and, after
    backward, the gradient that reached it;
 3. the *parallel run*: every runtime rank loads its real ``gencode{rank}.py`` and runs
    one forward and backward (``train_step`` for end2end modules, the pipeline schedule
@@ -126,7 +126,7 @@ class Difference:
 
 @attrs.frozen(kw_only=True)
 class VerifyReport:
-    """What :func:`verify` found: ``equal`` or the :attr:`first` difference."""
+    """What [`verify`][nnscaler.verify] found: ``equal`` or the `first` difference."""
 
     equal: bool
     first: Difference | None
@@ -310,7 +310,7 @@ def _run_rank(outdir: str, rank: int, args: Mapping[str, Any], end2end: bool,
     """Load rank ``rank``'s generated module, run one forward and backward while
     recording; return the records (``vars``) and, but under ZeRO (where they live in
     the optimizer's shards), the gradients of its parameter pieces after the reducers
-    (``params``: attribute -> (its :class:`~nnscaler.runtime.module.AttrMeta`, gradient))."""
+    (``params``: attribute -> (its `AttrMeta`, gradient))."""
     from nnscaler.codegen.files import load_generated_class
     from nnscaler.gendir import gencode_name
 
@@ -695,10 +695,10 @@ def verify(
     """Run ``module`` on one device and the plan ``pas_policy`` makes for it on
     ``compute_config.runtime_ngpus`` processes, and compare them op by op.
 
-    Arguments are those of :func:`~nnscaler.parallelize` (``dummy_forward_args`` are
+    Arguments are those of [`parallelize`][nnscaler.parallelize] (``dummy_forward_args`` are
     also the inputs compared on; for an end2end module, the sample). Returns a
-    :class:`VerifyReport`: ``report.equal``, or ``report.first``, the first op in program
-    order whose output differs (else, in backward order, the first gradient), with its
+    [`VerifyReport`][nnscaler.VerifyReport]: ``report.equal``, or ``report.first``, the first op in
+    program order whose output differs (else, in backward order, the first gradient), with its
     source line, the layouts on both sides and the difference. ``module`` is left as it
     was. Under torchrun (``torch.distributed`` initialised, ``runtime_ngpus`` processes)
     every rank calls it and gets the same report; otherwise it forks ``runtime_ngpus``

@@ -4,11 +4,11 @@ Under ``torch.distributed``, ``parallelize`` traces and plans on rank 0 only; th
 ranks wait for the outcome. A policy that measures (op times, collectives) can put them to
 work meanwhile:
 
-- :func:`map_over_ranks` runs ``fn(item)`` for a list of items spread over every rank
+- `map_over_ranks` runs ``fn(item)`` for a list of items spread over every rank
   (rank ``r`` takes items ``r, r + world, ...``) and returns the results in the items'
   order: profiling that takes minutes on one device is divided by the world size, and
   each time is measured while every device of the machine computes, as in training;
-- :func:`call_on_every_rank` has every rank call ``fn(*args)`` at once (a function that
+- `call_on_every_rank` has every rank call ``fn(*args)`` at once (a function that
   runs collectives, e.g. measuring an all-reduce on the present group) and returns each
   rank's result, in rank order.
 
@@ -16,9 +16,9 @@ Outside the planning of a distributed ``parallelize`` (no other rank listens: on
 process, ``load_module=False`` compiles, a policy called directly) both run here alone:
 the results are the same, only slower. ``fn`` must be picklable (a module-level
 function) and so must the items and results; a failure on any rank is raised on rank 0
-as a :class:`WorkerError` naming the rank, and the other ranks keep serving.
+as a `WorkerError` naming the rank, and the other ranks keep serving.
 
-The protocol (internal): while rank 0 plans, the other ranks loop in :func:`serve`, each
+The protocol (internal): while rank 0 plans, the other ranks loop in `serve`, each
 message a ``broadcast_object_list`` from rank 0: ``("map", fn, items)`` or ``("call", fn,
 args)``, answered by ``gather_object`` to rank 0, until ``("done", outcome)``.
 """
@@ -50,7 +50,7 @@ class WorkerError(NNScalerError, RuntimeError):
 
 @contextlib.contextmanager
 def _ranks_listening() -> Iterator[None]:
-    """On rank 0, around planning: the other ranks are in :func:`serve`."""
+    """On rank 0, around planning: the other ranks are in `serve`."""
     global _listening
     before, _listening = _listening, True
     try:
@@ -153,5 +153,5 @@ def serve() -> Any:
 
 
 def finish(outcome: Any) -> None:
-    """On rank 0: end the other ranks' :func:`serve` with the outcome."""
+    """On rank 0: end the other ranks' `serve` with the outcome."""
     dist.broadcast_object_list([("done", outcome)], src=0)

@@ -7,7 +7,7 @@
 - ``hybrid``: pipeline stages, each split over its devices with tensor parallelism.
 
 Each is a callable ``(graph, compute_config) -> graph`` that places every op instance and
-checks the plan with ``graph.check(plan_ngpus)``. :func:`~nnscaler.policies.costs.adapters`
+checks the plan with ``graph.check(plan_ngpus)``. `adapters`
 lists the adapters a plan needs and what they cost. See ``docs/builtin-policies.md``.
 """
 

@@ -1,7 +1,7 @@
 """What the built-in policies share: reading the compute config, placing parts on devices.
 
-A policy receives ``(graph, compute_config)``, a :class:`~nnscaler.config.ComputeConfig`
-(validated when it was built). The built-ins read it through :func:`policy_config`, which
+A policy receives ``(graph, compute_config)``, a [`ComputeConfig`][nnscaler.ComputeConfig]
+(validated when it was built). The built-ins read it through `policy_config`, which
 also takes any object with its fields (tests pass a ``types.SimpleNamespace``).
 """
 
@@ -22,9 +22,9 @@ class PolicyError(PlanError):
 
 
 def policy_config(compute_config: Any, policy: str) -> ComputeConfig:
-    """``compute_config`` as a :class:`~nnscaler.config.ComputeConfig` (itself, or one built
+    """``compute_config`` as a [`ComputeConfig`][nnscaler.ComputeConfig] (itself, or one built
     from the fields of another object, e.g. a test's ``SimpleNamespace``); a config that
-    cannot be one raises :class:`PolicyError` naming the policy."""
+    cannot be one raises `PolicyError` naming the policy."""
     try:
         return as_compute_config(compute_config)
     except ComputeConfigError as e:
@@ -32,7 +32,8 @@ def policy_config(compute_config: Any, policy: str) -> ComputeConfig:
 
 
 def as_policy_graph(graph: Graph) -> IRGraph:
-    """``graph`` as an :class:`IRGraph` (itself when it is one; a copy of a traced graph)."""
+    """``graph`` as an [`IRGraph`][nnscaler.IRGraph] (itself when it is one; a copy of a traced
+    graph)."""
     if isinstance(graph, IRGraph):
         return graph
     if isinstance(graph, Graph):

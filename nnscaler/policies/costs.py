@@ -1,9 +1,9 @@
 """Adapters of a plan and what they cost, from the pieces each device holds.
 
 A planned graph says, for every op instance, the device it runs on and the pieces
-(:class:`~nnscaler.ir.SubTensor`) it reads and writes. Gathered over the instances of one
-op, the pieces of one tensor on the devices form an RVD :class:`~nnscaler.layout.Layout`
-(:func:`layout_of`). Following ``docs/internals/parallel-runtime.md``, an *adapter* runs
+(`SubTensor`) it reads and writes. Gathered over the instances of one
+op, the pieces of one tensor on the devices form an RVD `Layout`
+(`layout_of`). Following ``docs/internals/parallel-runtime.md``, an *adapter* runs
 where an op's instances need a tensor in another layout than the one it is held in:
 
 - an activation is held as its producer's instances wrote it;
@@ -12,9 +12,9 @@ where an op's instances need a tensor in another layout than the one it is held 
   first consumer needs, value parts folded into replicas;
 - every graph output must end replicated on every device.
 
-The cost of an adapter is :func:`nnscaler.layout.plan`'s estimate (elements the busiest
+The cost of an adapter is `nnscaler.layout.plan`'s estimate (elements the busiest
 device sends or receives) in bytes, plus the same for its adjoint (the gradient's way
-back) when the tensor requires grad and the op records gradients. :func:`adapters` lists
+back) when the tensor requires grad and the op records gradients. `adapters` lists
 the adapters of a planned graph; the ``tp`` policy uses the same arithmetic to choose.
 """
 
@@ -106,7 +106,7 @@ def layout_of(pieces: Iterable[tuple[int, SubTensor]]) -> Layout | None:
 
 def part_piece(x: SubTensor, layout: Placement | None, num: int, part: int) -> SubTensor:
     """The piece of ``x`` that part ``part`` of a ``num``-way split reads or writes, as
-    :meth:`IRGraph.partition <nnscaler.graph.IRGraph.partition>` cuts it."""
+    [`IRGraph.partition`][nnscaler.IRGraph.partition] cuts it."""
     if isinstance(layout, Split):
         return x.split(layout.dim, num)[part]
     if isinstance(layout, ValuePartial):
@@ -163,8 +163,8 @@ BYTES_PER_MAC = {"cpu": 0.04, "cuda": 0.001}
 
 
 def default_bytes_per_mac() -> float:
-    """:data:`BYTES_PER_MAC` of the device type the run will use
-    (:func:`nnscaler.runtime.device.device_type`)."""
+    """`BYTES_PER_MAC` of the device type the run will use
+    (`nnscaler.runtime.device.device_type`)."""
     from nnscaler.runtime.device import device_type
 
     return BYTES_PER_MAC[device_type()]
@@ -295,7 +295,7 @@ def total_cost(found: Sequence[AdapterCost]) -> float:
 
 
 def transform_pieces(op: Op, t: Transform | None, num: int, part: int) -> list[SubTensor]:
-    """The pieces part ``part`` of ``op`` reads, in :meth:`Op.input_tensors` order, when
+    """The pieces part ``part`` of ``op`` reads, in `Op.input_tensors` order, when
     ``op`` is split by ``t`` in ``num`` parts (``None``: replicated). Tensors nested in a
     list or passed as keyword arguments are read whole, as ``partition`` leaves them."""
     out: list[SubTensor] = []

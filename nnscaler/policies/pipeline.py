@@ -2,7 +2,7 @@
 
 Both cut the program into stages of about equal compute and configure the schedule
 through ``pas_config`` (the keys nnScaler users know; the micro-batches and the scheduler
-are read once into ``compute_config.pipeline``, :class:`nnscaler.config.PipelineConfig`,
+are read once into ``compute_config.pipeline``, `nnscaler.config.PipelineConfig`,
 which code generation reads too):
 
 - ``pipeline_nstages``: the number of pipeline devices ``p`` (``pp``: default and at most
@@ -84,7 +84,8 @@ def pipeline_options(config: ComputeConfig, policy: str, *, default_nstages: int
                      ) -> PipelineOptions:
     """The pipeline of ``config``: ``config.pipeline`` (micro-batches, scheduler) and the
     policy's own ``pas_config`` keys (stages); an unknown scheduler raises
-    :class:`nnscaler.UnknownNameError`, which lists the registered ones."""
+    [`nnscaler.UnknownNameError`][nnscaler.errors.UnknownNameError], which lists the registered
+    ones."""
     from nnscaler.schedule import get_schedule
 
     if not config.use_end2end:

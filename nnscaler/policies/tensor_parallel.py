@@ -3,7 +3,7 @@
 Every op is split in ``plan_ngpus`` parts (part ``p`` on device ``p``) through its
 transform space, or replicated on every device. The choice is greedy, in program order,
 with a lookahead. For each option (each legal split, and replication) the policy
-computes, in bytes (see :mod:`nnscaler.policies.costs`):
+computes, in bytes (see `nnscaler.policies.costs`):
 
 1. ``params``: for each parameter, buffer or constant with two or more dims that the op
    is the first to read, the bytes held beyond one copy if the op reads it in that
@@ -21,7 +21,7 @@ computes, in bytes (see :mod:`nnscaler.policies.costs`):
    costed for its other readers too (a tied LM head reads the embedding's table from
    where the embedding puts it);
 3. ``compute``, added to ``moves``: the op's work on one device (its multiply-accumulates,
-   :func:`~nnscaler.policies.costs.op_work`, three times that when gradients flow back,
+   `op_work`, three times that when gradients flow back,
    divided by the parts of a split) times ``tp_bytes_per_mac``, the bytes a collective
    moves in the time of one multiply-accumulate. So a big replicated matmul (an LM head)
    is split when what it saves outweighs the communication the split adds.
@@ -131,7 +131,7 @@ class _Greedy:
     # -- costs --------------------------------------------------------------------------
     def compute(self, op: Op, option: TPOption) -> float:
         """What ``option`` costs a device in computation, in bytes: the op's forward work
-        (:func:`~nnscaler.policies.costs.op_work`), three times that when gradients flow
+        (`op_work`), three times that when gradients flow
         back through it, divided by the parts of a split."""
         if op not in self._compute:
             grads = not op.no_grad and any(full.requires_grad for full, _, _ in option.reads)
@@ -242,7 +242,7 @@ class _Greedy:
 
     def place_as(self, op: Op, t: Transform | None) -> list[Op] | None:
         """Place ``op`` as ``t`` (a choice made for an identical op); ``None`` when the
-        graph refuses it (then :meth:`place` decides)."""
+        graph refuses it (then `place` decides)."""
         try:
             parts = (self.graph.replicate(op, self.n) if t is None else
                      self.graph.partition(op, idx=t.idx, dim=t.dim, num=self.n))
@@ -269,7 +269,7 @@ class _Greedy:
 
 def get_bytes_per_mac(compute_config: ComputeConfig, policy: str) -> float:
     """``pas_config['tp_bytes_per_mac']``: what one multiply-accumulate costs, in bytes a
-    collective moves (default: :func:`~nnscaler.policies.costs.default_bytes_per_mac`)."""
+    collective moves (default: `default_bytes_per_mac`)."""
     value = policy_config(compute_config, policy).pas_config.get("tp_bytes_per_mac")
     if value is None:
         return default_bytes_per_mac()
@@ -289,7 +289,7 @@ def tp(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
 
     ``pas_config`` options: ``tp_lookahead`` (default 3), how many readers deep an option's
     outputs are costed; ``tp_bytes_per_mac``, what a multiply-accumulate costs in bytes
-    (:data:`~nnscaler.policies.costs.BYTES_PER_MAC` of the device type by default; 0
+    (`BYTES_PER_MAC` of the device type by default; 0
     leaves computation out). The result passes ``graph.check(plan_ngpus)``.
     """
     config = policy_config(compute_config, "tp")
@@ -321,7 +321,7 @@ _SCORE = object()  # no reusable choice: score the op
 
 
 class _BlockReuse:
-    """Choices of repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) made
+    """Choices of repeated blocks (`nnscaler.graph.blocks.repeated_blocks`) made
     once and reused: the greedy's choice for an op depends on the layouts its block's
     inputs are held in and on what its lookahead sees, so the second instance of a block
     (whose inputs come from an instance, not from the stem) is scored, and every later

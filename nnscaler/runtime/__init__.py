@@ -1,14 +1,14 @@
 """The runtime: what generated code calls on each rank.
 
-Device selection and start-up (:mod:`~nnscaler.runtime.device`), the process-group cache
-(:mod:`~nnscaler.runtime.groups`), autograd-aware collectives
-(:mod:`~nnscaler.runtime.collectives`), the adapter runner
-(:mod:`~nnscaler.runtime.adapters`) and a clean exit (:mod:`~nnscaler.runtime.teardown`,
+Device selection and start-up (`device`), the process-group cache
+(`groups`), autograd-aware collectives
+(`collectives`), the adapter runner
+(`adapters`) and a clean exit (`teardown`,
 run at interpreter exit). See ``docs/runtime.md``.
 
 Generated code (``gencode{rank}.py``) imports only from here: ``ParallelModule``,
 ``Adapter`` and ``boundary``; for pipelines ``Piece``, ``Pipeline``, ``parse_schedule``
-and ``anchored``; and nnscaler's own op implementations from :mod:`nnscaler.runtime.ops`.
+and ``anchored``; and nnscaler's own op implementations from `nnscaler.runtime.ops`.
 """
 
 # ruff: noqa: F401  (re-exports: keep this a plain list of imports)

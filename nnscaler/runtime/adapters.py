@@ -1,8 +1,8 @@
-"""Run a layout :class:`~nnscaler.layout.Plan` on this rank's piece, with autograd.
+"""Run a layout `Plan` on this rank's piece, with autograd.
 
-:func:`execute_plan` is what generated code calls for an adapter. Run on every rank of
-the plan, its results are exactly those of :func:`nnscaler.layout.execute` on the list
-of pieces, and its backward those of :func:`nnscaler.layout.execute_adjoint` (with
+`execute_plan` is what generated code calls for an adapter. Run on every rank of
+the plan, its results are exactly those of `nnscaler.layout.execute` on the list
+of pieces, and its backward those of `nnscaler.layout.execute_adjoint` (with
 ``grad="exact"``, the default) or of the replicated-gradient convention of docs/internals/design.md (with
 ``grad="replicated"``: the incoming gradients are whole on every device of ``dst``, the
 outgoing ones whole on every device of ``src``).
@@ -267,7 +267,7 @@ def _backward_plans_of(plan: Plan, grad: str) -> tuple[Plan, ...]:
 def plan_groups(plan: Plan, *, grad: GradConvention = "exact") -> list[tuple[int, ...]]:
     """The process groups (sorted rank tuples, first-use order) that running ``plan``
     forward and backward needs. Pass them, on every rank, to
-    :func:`nnscaler.runtime.ensure_groups`."""
+    `nnscaler.runtime.ensure_groups`."""
     out: list[tuple[int, ...]] = []
     for p in [plan, *_backward_plans(plan, grad)]:
         for step in p.steps:

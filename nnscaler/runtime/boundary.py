@@ -4,18 +4,18 @@ Inside a parallel module gradients follow the *exact adjoint* convention
 (``docs/internals/parallel-runtime.md``): the gradient of a replicated tensor is held as
 shares that sum to it. Two functions make that agree with what the user sees:
 
-- :func:`output`: every output of the module is replicated on the devices of the scale
+- `output`: every output of the module is replicated on the devices of the scale
   unit and every rank calls ``backward`` with the whole gradient; the backward keeps it
   on the ``first`` device and gives zeros elsewhere, so the shares sum to it once. Its
   ``anchors`` are tensors of this rank that reach no output (e.g. the empty result of an
   adapter that only sends): they get a zero gradient, so that their backward (which
   takes part in collectives) runs on this rank too.
-- :func:`input`: a forward argument that requires grad arrives replicated on every rank
+- `input`: a forward argument that requires grad arrives replicated on every rank
   of the unit; its gradient is all-reduced over ``ranks``, so every rank holds all of it.
 
-:class:`Adapter` is what generated code instantiates for each layout change: the two
+`Adapter` is what generated code instantiates for each layout change: the two
 layouts (in ``str(Layout)`` form, over runtime ranks), the full shape and dtype; the plan
-is made on first use and run with :func:`nnscaler.runtime.execute_plan` on this rank.
+is made on first use and run with `nnscaler.runtime.execute_plan` on this rank.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Every collective takes this rank's tensor and ``ranks``, the global ranks of the group
 **in layout order** (member ``m`` is ``ranks[m]``; it decides which chunk a member gets
-and the order of concatenation, as in :mod:`nnscaler.layout.primitives`). The group's
-communicator comes from :func:`nnscaler.runtime.get_group`, so every multi-rank group
-must have been created with :func:`nnscaler.runtime.ensure_groups` first.
+and the order of concatenation, as in `nnscaler.layout.primitives`). The group's
+communicator comes from `nnscaler.runtime.get_group`, so every multi-rank group
+must have been created with `nnscaler.runtime.ensure_groups` first.
 
 Gradient conventions (``grad=``):
 
@@ -13,14 +13,14 @@ Gradient conventions (``grad=``):
   ``identity_allreduce`` has all-reduce backward, ``all_gather`` keeps its own chunk of
   the gradient, ``chunk`` all-gathers it, ``broadcast`` has identity backward.
 - ``"exact"``: the backward is the transpose under the per-device dot product, the
-  adjoint that :mod:`nnscaler.layout.primitives` declares: ``all_reduce`` ->
+  adjoint that `nnscaler.layout.primitives` declares: ``all_reduce`` ->
   ``all_reduce``, ``all_gather`` -> ``reduce_scatter``, ``chunk`` -> ``pad``,
   ``broadcast`` -> ``reduce`` (to the root).
 
 ``reduce_scatter`` (backward ``all_gather``), ``all_to_all`` (backward: the inverse
 ``all_to_all``) and ``send_recv`` (backward: the reverse send) are the same under both.
 The hand-written collectives default to ``"replicated"``;
-:func:`nnscaler.runtime.execute_plan`, which runs the adapters of generated code,
+`nnscaler.runtime.execute_plan`, which runs the adapters of generated code,
 defaults to ``"exact"`` (see its docstring).
 
 Backends: gloo in torch 2.13 supports ``all_gather_single`` (formerly

@@ -8,7 +8,7 @@ chosen, in order of precedence, by
    call, not at import;
 3. ``"cuda"`` when ``torch.cuda.is_available()``, else ``"cpu"``.
 
-:func:`init_distributed` starts the default process group from the variables that
+`init_distributed` starts the default process group from the variables that
 ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) unless
 one is already running, with the backend that fits the device (NCCL for CUDA, gloo for
 CPU).
@@ -19,8 +19,8 @@ Two things make runs under ``torchrun --max-restarts=N`` reliable:
   (``TORCHELASTIC_RESTART_COUNT``): without it a new attempt can read the addresses the
   dead attempt published and fail to connect;
 - every collective has a bound, ``collective_timeout`` (default
-  :data:`DEFAULT_COLLECTIVE_TIMEOUT`, not torch's 30 minutes), applied to the default
-  group and to every group :mod:`nnscaler.runtime.groups` creates, so a hung rank ends
+  `DEFAULT_COLLECTIVE_TIMEOUT`, not torch's 30 minutes), applied to the default
+  group and to every group `nnscaler.runtime.groups` creates, so a hung rank ends
   the job in bounded time instead of blocking the others forever.
 """
 
@@ -123,7 +123,7 @@ def current_device(device: str | None = None) -> torch.device:
 
 
 def collective_timeout() -> timedelta | None:
-    """The timeout of the process group :func:`init_distributed` started (None when it
+    """The timeout of the process group `init_distributed` started (None when it
     did not start one: torch's default applies); new groups take the same bound."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -164,9 +164,9 @@ def init_distributed(
 ) -> torch.device:
     """Start the default process group from torchrun's variables, unless one is running.
 
-    The backend follows the device type (see :func:`device_type`). On CUDA the current
+    The backend follows the device type (see `device_type`). On CUDA the current
     device is set to ``cuda:<local_rank>``. ``timeout`` (a timedelta or seconds; default
-    :data:`DEFAULT_COLLECTIVE_TIMEOUT`) bounds every collective of the default group and
+    `DEFAULT_COLLECTIVE_TIMEOUT`) bounds every collective of the default group and
     of the groups nnscaler creates later. Each torchrun restart attempt rendezvouses
     under its own store prefix. Returns the device to compute on. Calling it again, or
     after someone else started the default group, only returns the device.

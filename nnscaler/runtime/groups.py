@@ -4,17 +4,17 @@
 call it, for every group, in the same order, even ranks that are not members; otherwise
 the program hangs. So groups are created in one place:
 
-- :func:`ensure_groups` takes a list of rank tuples and creates the missing groups in
+- `ensure_groups` takes a list of rank tuples and creates the missing groups in
   list order. **Every rank calls it with the same list** (generated code does so once,
-  at start-up, with the groups of all its adapters; :func:`nnscaler.runtime.plan_groups`
+  at start-up, with the groups of all its adapters; `nnscaler.runtime.plan_groups`
   lists those of a layout plan).
-- :func:`get_group` only looks a group up. A group that was never ensured raises
-  :class:`GroupError` instead of hanging; ``get_group(ranks, create=True)`` creates it,
+- `get_group` only looks a group up. A group that was never ensured raises
+  `GroupError` instead of hanging; ``get_group(ranks, create=True)`` creates it,
   and is then itself collective: every rank must make the same call at the same point.
 
 A single-rank group needs no communicator: its entry is ``None`` and the collectives
 treat it as a local operation. The group of all ranks is the default (world) group.
-Neither needs :func:`ensure_groups`: :func:`get_group` returns them at any time.
+Neither needs `ensure_groups`: `get_group` returns them at any time.
 The cache is dropped when the default process group changes (destroyed and started
 again).
 """
@@ -108,7 +108,7 @@ def ensure_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
 def get_group(ranks: Iterable[int], *, create: bool = False) -> Any:
     """The process group of ``ranks`` (any order), or ``None`` for a single rank.
 
-    Raises :class:`GroupError` if the group was not created by :func:`ensure_groups`,
+    Raises `GroupError` if the group was not created by `ensure_groups`,
     unless ``create=True``, which creates it here; that makes this call collective:
     every rank of the world must call ``get_group`` with the same ranks at the same point.
     """

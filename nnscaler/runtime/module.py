@@ -3,21 +3,21 @@
 A generated class sets the class attributes (``rank``, ``plan_ngpus``,
 ``runtime_ngpus``, ``end2end``, ``inference_only``, ``process_groups``,
 ``reducer_groups``, ``reducer_config``), registers this rank's piece of every parameter,
-buffer and constant with :meth:`~ParallelModule.add_param`,
-:meth:`~ParallelModule.add_buffer` and :meth:`~ParallelModule.add_constant`, and calls
-:meth:`~ParallelModule._post_init`, which loads the initial values from ``fullmodel.pt``
+buffer and constant with `add_param`,
+`add_buffer` and `add_constant`, and calls
+`_post_init`, which loads the initial values from ``fullmodel.pt``
 beside the generated file, creates the process groups (every rank, the same list, in the
-same order) and one :class:`~nnscaler.runtime.Reducer` per set of ranks that hold the
+same order) and one `Reducer` per set of ranks that hold the
 same parameter pieces.
 
 Gradients are summed, never averaged: over the devices of a scale unit (they hold shares
 of a replicated piece's gradient), over scale units (different samples) and over
-micro-batches in :meth:`~ParallelModule.train_step`. See ``docs/codegen.md``.
+micro-batches in [`train_step`][nnscaler.ParallelModule.train_step]. See ``docs/codegen.md``.
 
-A pipelined module (class attribute ``pipeline``, see :mod:`nnscaler.runtime.pipeline`
+A pipelined module (class attribute ``pipeline``, see `nnscaler.runtime.pipeline`
 and ``docs/pipeline.md``) has one method per stage instead of ``_forward_impl``; its
-:meth:`~ParallelModule.train_step` and :meth:`~ParallelModule.infer_step` run the
-schedule.
+[`train_step`][nnscaler.ParallelModule.train_step] and
+[`infer_step`][nnscaler.ParallelModule.infer_step] run the schedule.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ParallelModule(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         """The device this rank computes on: where its pieces live (they start on
-        :func:`nnscaler.runtime.current_device` and follow ``.to()``)."""
+        `nnscaler.runtime.current_device` and follow ``.to()``)."""
         for t in self.parameters():
             return t.device
         for t in self.buffers():
@@ -343,7 +343,8 @@ class ParallelModule(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients (the async reducer launches
-        nothing); :meth:`train_step` runs all micro-batches but the last inside it."""
+        nothing); [`train_step`][nnscaler.ParallelModule.train_step] runs all micro-batches but the
+        last inside it."""
         with contextlib.ExitStack() as stack:
             for r in self._reducers:
                 stack.enter_context(r.no_sync())
@@ -359,7 +360,7 @@ class ParallelModule(torch.nn.Module):
         return module_extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore what :meth:`get_extra_state` saved (``load_state_dict`` calls it)."""
+        """Restore what `get_extra_state` saved (``load_state_dict`` calls it)."""
         from nnscaler.runtime.state import load_module_extra_state
 
         load_module_extra_state(self, state)
@@ -404,11 +405,11 @@ class ParallelModule(torch.nn.Module):
         Zeroes the gradients first, then runs forward and backward for each sample (the
         first output is the loss; ``scale_fn`` scales it before backward; a dummy batch
         contributes zero gradient). Gradients are summed over the micro-batches; call
-        :meth:`sync_grad` (``build_optimizer`` does) before ``optimizer.step()``.
-        Returns each sample's outputs, detached.
+        [`sync_grad`][nnscaler.ParallelModule.sync_grad] (``build_optimizer`` does) before
+        ``optimizer.step()``. Returns each sample's outputs, detached.
 
         A pipelined module runs its schedule instead: ``samples`` are its
-        ``pipeline_nmicros`` micro-batches (see :func:`nnscaler.runtime.pipeline.train_step`).
+        ``pipeline_nmicros`` micro-batches (see `nnscaler.runtime.pipeline.train_step`).
         """
         name = type(self).__qualname__
         if not self.end2end:

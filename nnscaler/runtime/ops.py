@@ -4,12 +4,12 @@ Generated files (``gencode{rank}.py``) import ``torch`` and the public runtime o
 when a plan calls one of nnscaler's op implementations (a part of a split op that needs
 other code than the op itself), the file calls it as ``nnscaler.runtime.ops.<name>``.
 
-- :func:`row_parallel_embedding`: ``F.embedding`` on a block of rows of the table (the
+- `row_parallel_embedding`: ``F.embedding`` on a block of rows of the table (the
   vocabulary-parallel embedding: tokens outside the block give zeros, the parts sum);
-- :func:`class_parallel_cross_entropy`: ``F.cross_entropy`` on a block of classes, the
+- `class_parallel_cross_entropy`: ``F.cross_entropy`` on a block of classes, the
   parts exchanging their normalizers through ``group`` (the vocabulary-parallel loss).
 
-Their implementations live with their annotations in :mod:`nnscaler.ops.builtin`; this
+Their implementations live with their annotations in `nnscaler.ops.builtin`; this
 module only names them (a test checks that every nnscaler function registered as an op
 is here).
 """

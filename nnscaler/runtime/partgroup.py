@@ -1,9 +1,9 @@
-"""The parts of a split that talk to each other, across processes: :class:`ProcessPartGroup`.
+"""The parts of a split that talk to each other, across processes: `ProcessPartGroup`.
 
 Generated code passes one to every call of a collective part op (see
-:mod:`nnscaler.anno.partgroup`): ``group=self.part_group((0, 1))`` names the plan devices
-of the parts in part order, and :meth:`ParallelModule.part_group
-<nnscaler.runtime.ParallelModule.part_group>` maps them to the ranks of this scale unit.
+`nnscaler.anno.partgroup`): ``group=self.part_group((0, 1))`` names the plan devices
+of the parts in part order, and `ParallelModule.part_group` maps them to the ranks of this scale
+unit.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ A pipelined ``GenModel`` (see ``docs/pipeline.md``) holds one method per pipelin
 its device runs, ``_stage_{s}(self, sample, *received)``: the stage's ops on this
 device's pieces; it returns the pieces this device sends to stage ``s + 1`` (a tuple), or,
 for the last stage, the module's outputs. Its class attribute ``pipeline`` (a
-:class:`Pipeline`) says which stages this rank runs, what each stage receives and sends
-(:class:`Piece`: name, shape, dtype, whether a gradient comes back) and the action list
-of this rank (``schedule``, from :mod:`nnscaler.schedule`).
+`Pipeline`) says which stages this rank runs, what each stage receives and sends
+(`Piece`: name, shape, dtype, whether a gradient comes back) and the action list
+of this rank (``schedule``, from `nnscaler.schedule`).
 
-:func:`train_step` runs the action list in order:
+`train_step` runs the action list in order:
 
 - ``Forward(m, s)``: the stage function on micro-batch ``m`` (its inputs received, or the
   sample for stage 0); the outputs are kept for the backward. On the last stage the
@@ -28,7 +28,7 @@ of this rank (``schedule``, from :mod:`nnscaler.schedule`).
   neighbouring stage's (its *lane*).
 
 Gradients accumulate over the micro-batches and are summed over holders by
-:meth:`~nnscaler.runtime.ParallelModule.sync_grad` afterwards; during the schedule the
+[`sync_grad`][nnscaler.ParallelModule.sync_grad] afterwards; during the schedule the
 reducers only accumulate (``no_sync``), so the asynchronous reducer's collectives never
 interleave with the pipeline's messages. At the end, the outputs of every micro-batch go
 from the last stage to every rank of the scale unit.
@@ -207,7 +207,7 @@ def parse_schedule(text: str) -> tuple[Action, ...]:
 
 
 def schedule_lines(actions: Sequence[Action]) -> list[str]:
-    """``actions`` as :func:`parse_schedule` reads them: each forward and backward on its
+    """``actions`` as `parse_schedule` reads them: each forward and backward on its
     own line, each group of consecutive messages on one line."""
     lines: list[str] = []
     group: list[str] = []

@@ -1,6 +1,6 @@
 """Gradient synchronization of data-parallel replicas, with optional ZeRO stage 1.
 
-A :class:`Reducer` owns parameters that are replicated on every rank of ``ranks``. Their
+A `Reducer` owns parameters that are replicated on every rank of ``ranks``. Their
 gradients live in flat per-bucket buffers (``param.grad`` is a view into the buffer), so a
 bucket is reduced with one collective and no copy. Gradients are **summed** over replicas
 (nnScaler semantics: data-parallel replicas and micro-batches behave like gradient
@@ -142,9 +142,9 @@ class Reducer:
         async_op: launch a bucket's reduction from gradient hooks as soon as all its
             parameters' gradients are accumulated (overlaps communication with backward).
             With gradient accumulation, run all but the last micro-batch's backward inside
-            :meth:`no_sync`.
-        zero: shard the optimizer state (ZeRO stage 1): use :meth:`parameters_for_optimizer`
-            to build the optimizer and call :meth:`gather_params` after ``step()``.
+            `no_sync`.
+        zero: shard the optimizer state (ZeRO stage 1): use `parameters_for_optimizer`
+            to build the optimizer and call `gather_params` after ``step()``.
         zero_ngroups: split ``ranks`` into this many groups; state is sharded within a group
             and replicated across groups.
         process_group: group over ``ranks`` (created when None).
@@ -253,7 +253,7 @@ class Reducer:
         """Backward passes inside only accumulate gradients (no async communication).
 
         Only matters with ``async_op=True``; the blocking path never communicates before
-        :meth:`sync_grads`.
+        `sync_grads`.
         """
         prev, self._no_sync = self._no_sync, True
         try:
@@ -328,7 +328,7 @@ class Reducer:
         """Sum gradients over the replicas (and wait for reductions launched by hooks).
 
         Afterwards every ``param.grad`` holds the sum over all ranks and micro-batches since
-        the last :meth:`zero_grad`; with zero, each shard parameter's ``.grad`` holds this
+        the last `zero_grad`; with zero, each shard parameter's ``.grad`` holds this
         rank's shard of that sum (``param.grad`` of the full parameters is then unreduced).
         """
         for bucket in self.buckets:
@@ -387,9 +387,9 @@ class Reducer:
 
     def wait_pending(self, timeout: Any = None) -> None:
         """Wait for the reductions launched by gradient hooks and not synced yet (async
-        mode), e.g. at interpreter exit (:mod:`nnscaler.runtime.teardown`); ``timeout`` a
+        mode), e.g. at interpreter exit (`nnscaler.runtime.teardown`); ``timeout`` a
         ``datetime.timedelta`` or None (the group's timeout). The buckets stay launched:
-        :meth:`sync_grads` finishes them."""
+        `sync_grads` finishes them."""
         for bucket in self.buckets:
             if bucket.work is not None:
                 if timeout is None:

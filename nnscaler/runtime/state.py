@@ -2,12 +2,12 @@
 
 ``ParallelModule.state_dict()`` holds this rank's pieces under their attribute names
 (``fc1_weight``) and, under ``_extra_state`` (torch's key for
-:meth:`torch.nn.Module.get_extra_state`), a plain dict that :func:`module_extra_state`
-builds and :func:`load_module_extra_state` reads back:
+`torch.nn.Module.get_extra_state`), a plain dict that `module_extra_state`
+builds and `load_module_extra_state` reads back:
 
-- ``nnscaler_checkpoint``: the format version (:data:`FORMAT`); it marks the dict;
+- ``nnscaler_checkpoint``: the format version (`FORMAT`); it marks the dict;
 - ``module_class``, ``rank``, ``plan_ngpus``, ``runtime_ngpus``: whose pieces these are;
-- ``attrs``: one record per attribute (:func:`attr_record`): kind, original name(s), full
+- ``attrs``: one record per attribute (`attr_record`): kind, original name(s), full
   shape, the index range per dim it holds, the value part, dtype, holders, persistence;
 - ``nonpersistent``: this rank's pieces of non-persistent buffers and captured constants
   (not in torch's state dict, but needed by a module built with ``init_params=False``);
@@ -463,7 +463,8 @@ PER_RANK_FIX = ("Load each rank's own state dict into the module of the same pla
 
 def compare_records(pm: ParallelModule, records: Sequence[Mapping[str, Any]], prefix: str,
                     where: str, fix: str = PER_RANK_FIX) -> None:
-    """Raise :class:`StateDictMismatchError` at the first attribute whose piece differs."""
+    """Raise [`StateDictMismatchError`][nnscaler.errors.StateDictMismatchError] at the first
+    attribute whose piece differs."""
     theirs = {r["attr"]: r for r in records}
     for attr, meta in pm.fullmap.items():
         mine = attr_record(attr, meta)

@@ -11,9 +11,9 @@ motivation of the unmerged pytorch/pytorch#179291 and #157193, which destroy the
 interpreter exit; a torch object is not automatically destroyed at exit,
 pytorch/pytorch#109478). Two references survived here:
 
-- nnscaler's own: the group cache (:mod:`nnscaler.runtime.groups`), the default group
-  whose timeout :mod:`nnscaler.runtime.device` remembers, and each
-  :class:`~nnscaler.runtime.Reducer`'s groups (a module object held by a global);
+- nnscaler's own: the group cache (`nnscaler.runtime.groups`), the default group
+  whose timeout `nnscaler.runtime.device` remembers, and each
+  `Reducer`'s groups (a module object held by a global);
 - torch's: ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler.__init__`` has
   ``process_group=dist.group.WORLD`` as a default argument, evaluated when the module is
   imported. ``torch.optim``'s first optimizer imports ``torch._dynamo``, which imports
@@ -21,7 +21,7 @@ pytorch/pytorch#109478). Two references survived here:
   world group can never be freed (seen with torch 2.13: after
   ``destroy_process_group()`` and ``gc.collect()`` its three threads still run).
 
-:func:`shutdown` (registered with :mod:`atexit` when the runtime is imported, so it runs
+`shutdown` (registered with `atexit` when the runtime is imported, so it runs
 after the user's script returns and before finalization) waits for the reductions still
 in flight, destroys the process groups (subgroups first, then the default one, as
 ``destroy_process_group`` orders them), drops nnscaler's references to them, replaces a
@@ -47,7 +47,7 @@ from typing import Any
 
 __all__ = ["PENDING_WORK_TIMEOUT", "live_gloo_threads", "shutdown", "track_reducer"]
 
-#: How long :func:`shutdown` waits for a reduction still in flight.
+#: How long `shutdown` waits for a reduction still in flight.
 PENDING_WORK_TIMEOUT = timedelta(seconds=60)
 
 _log = logging.getLogger("nnscaler.runtime")
@@ -55,7 +55,7 @@ _reducers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def track_reducer(reducer: Any) -> None:
-    """Remember ``reducer`` (weakly) so that :func:`shutdown` can finish its work and drop
+    """Remember ``reducer`` (weakly) so that `shutdown` can finish its work and drop
     its process groups."""
     _reducers.add(reducer)
 
@@ -116,7 +116,7 @@ def live_gloo_threads() -> list[str]:
 
 def shutdown() -> None:
     """Finish and destroy what nnscaler's runtime left in ``torch.distributed``: wait for
-    the reducers' reductions in flight (up to :data:`PENDING_WORK_TIMEOUT`), destroy every
+    the reducers' reductions in flight (up to `PENDING_WORK_TIMEOUT`), destroy every
     process group (subgroups, then the default group), drop the references that would
     keep their C++ objects alive, and collect. Runs at interpreter exit; call it yourself
     only at the end of a job (the parallel modules cannot communicate afterwards)."""

@@ -65,7 +65,7 @@ def new_group(ranks: tuple[int, ...] | list[int]) -> dist.ProcessGroup | None:
     """A process group over ``ranks``; only the member ranks need to call this.
 
     Returns None (meaning "no communication needed") for a single rank, the group cached by
-    :mod:`nnscaler.runtime.groups` when one exists, the default group for the whole world,
+    `nnscaler.runtime.groups` when one exists, the default group for the whole world,
     and otherwise a new group created with local synchronization (members only).
     """
     ranks = sorted(ranks)

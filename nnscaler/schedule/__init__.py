@@ -4,8 +4,8 @@ A schedule is a callable ``(nstages, nmicros, nvirtual=1) -> list[list[Action]]`
 list of actions per device, ``nstages`` devices, ``nvirtual`` stages per device. The
 built-ins (``gpipe``, ``1f1b``, ``1f1b_interleaved``) and third-party schedules are
 registered through the ``nnscaler_register_schedules`` hook and found with
-:func:`get_schedule`. :func:`simulate` runs any schedule and raises
-:class:`ScheduleError` when it is invalid. See ``docs/schedules.md``.
+`get_schedule`. `simulate` runs any schedule and raises
+`ScheduleError` when it is invalid. See ``docs/schedules.md``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ Schedule = Callable[..., list[list[Action]]]
 def get_schedule(name: str, *, plugin_manager: NNScalerPluginManager | None = None) -> Schedule:
     """The schedule registered as ``name`` (by default in the process-wide plugin manager).
 
-    Raises :class:`nnscaler.UnknownNameError` listing the registered schedules.
+    Raises [`nnscaler.UnknownNameError`][nnscaler.errors.UnknownNameError] listing the registered
+    schedules.
     """
     if plugin_manager is None:
         return active_registry("schedules").get(name)

@@ -1,9 +1,9 @@
 """Pipeline actions: what one device does, one step at a time.
 
 A schedule is one list of actions per device. There are two compute actions
-(:class:`Forward`, :class:`Backward`) and four point-to-point messages between
-neighbouring stages (:class:`SendAct`, :class:`RecvAct` in the forward direction, from
-stage ``s`` to ``s + 1``; :class:`SendGrad`, :class:`RecvGrad` in the backward direction,
+(`Forward`, `Backward`) and four point-to-point messages between
+neighbouring stages (`SendAct`, `RecvAct` in the forward direction, from
+stage ``s`` to ``s + 1``; `SendGrad`, `RecvGrad` in the backward direction,
 from ``s + 1`` to ``s``). Every action carries the micro-batch and the stage *on the
 device that runs it*: a send names the sending stage, a receive the receiving stage.
 

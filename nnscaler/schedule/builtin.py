@@ -1,7 +1,7 @@
 """The built-in pipeline schedules, registered like any third-party schedule plugin.
 
 Each schedule decides the order of forwards and backwards on every device. ``gpipe`` and
-``1f1b`` let :func:`add_communication` place the sends and receives (which gives
+``1f1b`` let `add_communication` place the sends and receives (which gives
 Megatron's placement for 1F1B); ``1f1b_interleaved`` places them in Megatron's rounds.
 """
 
@@ -58,7 +58,7 @@ def one_f_one_b_interleaved(nstages: int, nmicros: int, nvirtual: int = 1) -> li
     """Megatron's interleaved 1F1B: ``nvirtual`` stages per device.
 
     Rule: with ``nvirtual > 1``, ``nmicros`` must be a multiple of ``nstages``. With
-    ``nvirtual == 1`` this is :func:`one_f_one_b`.
+    ``nvirtual == 1`` this is `one_f_one_b`.
 
     Micro-batches go through a device in groups of ``nstages``: the group's forwards on
     the device's first stage, then on its second stage, and so on; backwards mirror this
@@ -70,7 +70,7 @@ def one_f_one_b_interleaved(nstages: int, nmicros: int, nvirtual: int = 1) -> li
     forward-backward pair and after each cool-down backward, one group sends what the
     round made and receives the inputs of the next forward and the next backward
     (tensors may arrive a round before they are used). Adjacent devices thus exchange
-    their messages in matching groups and stay in step. :func:`add_communication` would
+    their messages in matching groups and stay in step. `add_communication` would
     also give a schedule without deadlock, but with more waiting; the rounds reach a
     bubble of ``(p - 1) / (nvirtual * m + p - 1)`` when a backward takes twice as long
     as a forward and messages are free (``p = nstages``, ``m = nmicros``).

@@ -1,8 +1,8 @@
 """Placing the sends and receives of a schedule around its forwards and backwards.
 
 A schedule writer decides the order of forwards and backwards on each device;
-:func:`add_communication` adds the messages so that they cannot deadlock under the
-communication model of :mod:`nnscaler.schedule.simulate` (a device waits in each group of
+`add_communication` adds the messages so that they cannot deadlock under the
+communication model of `nnscaler.schedule.simulate` (a device waits in each group of
 consecutive messages until the peers have posted the matching ones).
 
 How: the forwards and backwards are first timed as if messages were free (each action
@@ -71,7 +71,7 @@ def send_for(action: Action, nstages: int, nvirtual: int = 1) -> Comm | None:
 
 def _check_compute(compute: Sequence[Sequence[Action]], nstages: int, fwd_time: float,
                    bwd_time: float) -> None:
-    """The arguments of :func:`add_communication`: positive times, one list per device,
+    """The arguments of `add_communication`: positive times, one list per device,
     each of forwards and backwards of the stages the device holds."""
     for name, value in (("fwd_time", fwd_time), ("bwd_time", bwd_time)):
         if not value > 0:
@@ -112,7 +112,7 @@ def add_communication(
 
     ``fwd_time`` and ``bwd_time`` (positive) time the reference timeline that decides
     where each message goes; any values give a schedule without deadlock, the right
-    ones give the least waiting. Raises :class:`ScheduleError` when a list holds a
+    ones give the least waiting. Raises `ScheduleError` when a list holds a
     message or an action of a stage the device does not hold, or when the order of the
     forwards and backwards cannot run (an action waits for one that no device runs, or
     the devices wait for each other in a cycle).

@@ -1,6 +1,6 @@
 """Execute the action lists of any schedule on simulated devices, and check them.
 
-The checks, in order (the first broken rule raises :class:`ScheduleError`):
+The checks, in order (the first broken rule raises `ScheduleError`):
 
 1. one action list per device; every action names a micro-batch and a stage in range,
    and a stage that the device holds; messages only between stages on different devices;
@@ -88,7 +88,7 @@ def simulate(
     """Check a schedule and run it on ``nstages`` simulated devices.
 
     ``fwd_time`` and ``bwd_time`` are the times of one stage's forward and backward on
-    one micro-batch; ``comm_time`` that of one message. Raises :class:`ScheduleError`
+    one micro-batch; ``comm_time`` that of one message. Raises `ScheduleError`
     naming the device, the action and the broken rule.
     """
     check_sizes(nstages, nmicros, nvirtual)
@@ -103,7 +103,7 @@ def simulate(
 
 
 def check_sizes(nstages: int, nmicros: int, nvirtual: int) -> None:
-    """Raise :class:`ScheduleError` unless the three sizes are positive ints."""
+    """Raise `ScheduleError` unless the three sizes are positive ints."""
     for name, value in (("nstages", nstages), ("nmicros", nmicros), ("nvirtual", nvirtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive int, got {value!r}")

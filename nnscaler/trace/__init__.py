@@ -1,4 +1,4 @@
-"""The tracer: an ``nn.Module`` and dummy forward arguments in, a :class:`~nnscaler.ir.Graph`
+"""The tracer: an ``nn.Module`` and dummy forward arguments in, a `Graph`
 out. See ``docs/tracing.md``."""
 
 from nnscaler.trace.errors import (

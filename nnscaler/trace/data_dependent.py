@@ -4,7 +4,7 @@ The tracer runs ``forward`` once. A Python value read from tensor data (``x.item
 ``if x.sum() > 0:``) or a size that depends on data (``torch.nonzero(x)``, ``x[mask]``,
 ``torch.where(cond)``) is fixed in the graph at what the dummy inputs gave: another batch
 would take the other branch or have another size, and the generated code would not. The
-tracer lists each such read in ``graph.data_dependent``; :func:`check_data_dependent` turns
+tracer lists each such read in ``graph.data_dependent``; `check_data_dependent` turns
 the list into one error naming every model line, unless the user accepted it.
 """
 
@@ -52,7 +52,7 @@ def describe(entries: Sequence[str]) -> list[str]:
 
 
 def check_data_dependent(entries: Sequence[str], *, allow: bool) -> None:
-    """Raise :class:`DataDependentError` naming every read in ``entries`` (the traced
+    """Raise `DataDependentError` naming every read in ``entries`` (the traced
     graph's ``data_dependent``) unless ``allow``."""
     if allow or not entries:
         return

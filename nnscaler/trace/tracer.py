@@ -1,6 +1,6 @@
 """The tracer: run ``forward`` once and record every torch-level call as an op.
 
-How it works. A :class:`torch.overrides.TorchFunctionMode` sees each call the model makes
+How it works. A `torch.overrides.TorchFunctionMode` sees each call the model makes
 at the level of ``torch.nn.functional.linear``, ``Tensor.view``, ``torch.cat``, dunders,
 property reads and creation functions (what those functions call inside is not seen).
 Each call is run, then:
@@ -8,7 +8,7 @@ Each call is run, then:
 - a call that returns no tensor and changes none (``x.shape``, ``x.size(0)``,
   ``x.item()``) is not recorded: its value flows on as a Python constant (values read
   from tensor data are listed in ``graph.data_dependent``; on ``meta`` they are an error);
-- every other call becomes an :class:`~nnscaler.ir.Op`, annotated when the op registry
+- every other call becomes an `Op`, annotated when the op registry
   knows the function, *opaque* otherwise. A call that changes an argument in place
   (detected by the tensor's version counter, so ``x[i] = v``, ``out=`` and
   ``inplace=True`` are covered) gives the changed tensor, and every tracked view of the
@@ -16,12 +16,12 @@ Each call is run, then:
   state it ran under; a call whose result's *size* depends on data (``torch.nonzero``,
   ``x[mask]``, ``torch.where(cond)``) is listed in ``graph.data_dependent`` too.
 
-With the real strategy the forward runs on the user's module: :class:`_SavedState` puts
+With the real strategy the forward runs on the user's module: `_SavedState` puts
 back what it changed (buffers, parameters written in place, the random generators), so
 tracing leaves the module as it was.
 
-Functions wrapped by :func:`nnscaler.register_op` reach the tracer through
-:data:`nnscaler.ops.registry.op_call_interceptor`: one op is recorded and the function
+Functions wrapped by [`nnscaler.register_op`][nnscaler.register_op] reach the tracer through
+`nnscaler.ops.registry.op_call_interceptor`: one op is recorded and the function
 runs with recording off. Global module forward hooks keep the module path; recording
 spans the root module's whole call, its own hooks included. Parameters, buffers and
 inputs are tracked by object identity (``id``), each mapped to its current IR tensor.
@@ -81,7 +81,7 @@ _DATA_READS = frozenset(
     }
 )
 
-#: Calls whose result's *size* depends on tensor data (see :func:`_data_sized`).
+#: Calls whose result's *size* depends on tensor data (see `_data_sized`).
 _DATA_SIZED = frozenset(
     {
         torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.masked_select,
@@ -173,7 +173,7 @@ class _Mode(TorchFunctionMode):
 
 
 class Tracer:
-    """One trace of one module; use :func:`nnscaler.trace.trace`."""
+    """One trace of one module; use `nnscaler.trace.trace`."""
 
     def __init__(self, module: torch.nn.Module, strategy: str) -> None:
         if not isinstance(module, torch.nn.Module):
@@ -544,7 +544,7 @@ class Tracer:
         return call_args
 
     def _input_tensor(self, leaf: torch.Tensor, taken: set[int]) -> torch.Tensor:
-        """A new tensor object for one input leaf (see :meth:`_register_inputs`): on meta,
+        """A new tensor object for one input leaf (see `_register_inputs`): on meta,
         a meta copy; else the leaf's data, copied when its memory is ``taken`` already."""
         if self.meta:
             run = leaf.detach().to("meta")
@@ -605,7 +605,7 @@ def library_trace_signal() -> Iterator[None]:
     ``mask.all()`` is true and drops a causal mask it can prove unneeded, unless
     ``transformers.utils.is_tracing()`` says a graph is being captured; that function asks
     ``torch.compiler.is_compiling()``. A trace that took such a shortcut would hold the
-    dummy batch's answer for every batch (and :func:`check_data_dependent` refuses it);
+    dummy batch's answer for every batch (and `check_data_dependent` refuses it);
     with the signal on, the library computes the mask with tensor ops, which are right
     for every batch. Reads that remain are still recorded and refused.
 
@@ -763,8 +763,8 @@ def trace(
     meta device (parameters, buffers and inputs swapped for meta copies): shapes only, no
     arithmetic, so it is fast, but a model that reads values from data cannot be traced.
 
-    Raises :class:`ForwardSignatureError` when the arguments do not fit ``forward``,
-    :class:`DataDependentError` / :class:`MetaTraceError` for what the meta strategy cannot
-    do, and warns :class:`OpaqueOpWarning` once per torch function with no annotation.
+    Raises `ForwardSignatureError` when the arguments do not fit ``forward``,
+    `DataDependentError` / `MetaTraceError` for what the meta strategy cannot
+    do, and warns `OpaqueOpWarning` once per torch function with no annotation.
     """
     return Tracer(module, strategy).run(dummy_forward_args)

@@ -1,17 +1,17 @@
-"""The Trainer's configuration: :class:`TrainerArgs` and the config classes it holds.
+"""The Trainer's configuration: `TrainerArgs` and the config classes it holds.
 
 Every class here is a keyword-only dataclass that checks its fields when it is built,
-from Python or from a YAML mapping (:meth:`TrainerArgs.from_dict`): an unknown key, a
-value of the wrong type or a missing required field raises :class:`ConfigError` naming
+from Python or from a YAML mapping (`TrainerArgs.from_dict`): an unknown key, a
+value of the wrong type or a missing required field raises `ConfigError` naming
 the dotted key (``optimizer.args.lr``) and, for a typo, the closest valid key (the
-checking is :mod:`nnscaler.trainer.fields`). Classes and functions (``model.type``,
+checking is `nnscaler.trainer.fields`). Classes and functions (``model.type``,
 ``optimizer.type``, ...) are given as objects or as import paths
 (``'torch.optim.AdamW'``); a path that does not import is an error naming the key. Names
 and meanings follow nnScaler's ``nnscaler.cli.trainer_args``, the import path users know
 (it re-exports this module).
 
 ``from nnscaler.cli.trainer_args import *`` gives every config class and
-:class:`~nnscaler.ComputeConfig`, as nnScaler's quickstart expects.
+[`ComputeConfig`][nnscaler.ComputeConfig], as nnScaler's quickstart expects.
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ ONE_DEVICE_POLICY = "dp"
 
 
 def default_policy(compute_config: ComputeConfig, registered: Any = None) -> str:
-    """The policy the Trainer runs when ``pas_policy`` is left at :data:`DEFAULT_POLICY`.
+    """The policy the Trainer runs when ``pas_policy`` is left at `DEFAULT_POLICY`.
 
     ``autodist`` when it is registered (``registered``: the policy names, default the
     plugin manager's). Without it (``pip install nnscaler`` alone), a plan of one device
     (``plan_ngpus == 1``) with no ``pas_config`` leaves autodist a single choice, every op
     whole on the unit's one device with the units running data parallel, which is what
-    the built-in :data:`ONE_DEVICE_POLICY` (``'dp'``) plans: the Trainer runs that, and
+    the built-in `ONE_DEVICE_POLICY` (``'dp'``) plans: the Trainer runs that, and
     says so. Any other config keeps ``autodist``, whose lookup then names the package to
     install.
     """
@@ -101,9 +101,10 @@ class ModelConfig(Checked):
 
     ``pretrained``: a Hugging Face Hub-format folder (``model.safetensors`` or shards with
     their index) the parallel model starts from, each rank reading only its slices
-    (:func:`nnscaler.load_pretrained`; a checkpoint to resume from still wins). With
-    ``compute_config.trace_strategy='meta'`` the model is built with its parameters on the
-    meta device (:func:`nnscaler.meta_parameters`), so no process ever holds all of it."""
+    ([`nnscaler.load_pretrained`][nnscaler.load_pretrained]; a checkpoint to resume from still
+    wins). With ``compute_config.trace_strategy='meta'`` the model is built with its parameters on
+    the meta device ([`nnscaler.meta_parameters`][nnscaler.meta_parameters]), so no process ever
+    holds all of it."""
 
     type: TypeRef
     args: dict[str, Any] = field(default_factory=dict)
@@ -273,7 +274,7 @@ class LogConfig(Checked):
 @dataclass(kw_only=True)
 class HookConfig(Checked):
     """Hooks as an object: ``type(**args)`` whose methods named like the Trainer hooks
-    (``on_train_step_end``, ...; see :class:`HookMapConfig`) are called."""
+    (``on_train_step_end``, ...; see `HookMapConfig`) are called."""
 
     type: TypeRef
     args: dict[str, Any] = field(default_factory=dict)
@@ -340,7 +341,7 @@ class AggregatedOutputs:
 
 @dataclass(kw_only=True)
 class TrainerArgs(Checked):
-    """Everything the :class:`~nnscaler.cli.trainer.Trainer` needs (nnScaler's names).
+    """Everything the `Trainer` needs (nnScaler's names).
 
     Required: ``compute_config`` (with ``use_end2end=True``), ``model``, ``optimizer``,
     ``dataset``. See ``docs/trainer.md`` for every field.
@@ -484,7 +485,7 @@ class TrainerArgs(Checked):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerArgs:
-        """Build from a plain mapping (a loaded YAML file); see :mod:`nnscaler.cli.train`."""
+        """Build from a plain mapping (a loaded YAML file); see `nnscaler.cli.train`."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"the configuration must be a mapping of TrainerArgs fields, "
                               f"got {type(data).__name__}.")

@@ -4,7 +4,7 @@ A checkpoint holds the model, the optimizer, the LR scheduler, the loss scaler, 
 RNG and the training position, so that a resumed run equals the uninterrupted one
 bitwise (same world size and plan). Each rank writes its part into a ``.partial``
 folder; rank 0 renames it into place only when every rank reported success (the folder
-layout is :mod:`nnscaler.trainer.ckpt_layout`). Resuming with the same world size and
+layout is `nnscaler.trainer.ckpt_layout`). Resuming with the same world size and
 plan reads each rank's own file; otherwise the checkpoint is merged and cut into this
 plan's pieces.
 """

@@ -208,7 +208,7 @@ def _python_state(state: Any) -> Any:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_states` returned."""
+    """Restore what `get_rng_states` returned."""
     torch.set_rng_state(states["torch"])
     py = states["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["internal"].tolist()),

@@ -1,4 +1,4 @@
-"""A command line into :class:`~nnscaler.trainer.args.TrainerArgs`: the YAML file of
+"""A command line into `TrainerArgs`: the YAML file of
 ``-f`` and the ``--dotted.key value`` overrides after it.
 
 The YAML file holds the fields of ``TrainerArgs``; it is read with ``yaml.safe_load``
@@ -9,7 +9,7 @@ Each ``--dotted.key value`` overrides one entry (``--compute_config.plan_ngpus 2
 missing required field stops with an error that names the dotted key, and the closest
 valid key for a typo.
 
-The ``nnscaler-train`` command (:mod:`nnscaler.cli.train`) calls :func:`parse_args`;
+The ``nnscaler-train`` command (`nnscaler.cli.train`) calls `parse_args`;
 so does ``Trainer(argv)``, nnScaler's other way in, without going through the command.
 """
 
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> TrainerArgs:
-    """The :class:`TrainerArgs` of a command line (without the program name)."""
+    """The `TrainerArgs` of a command line (without the program name)."""
     argv = list(argv)
     mode = argv.pop(0) if argv and argv[0] in _MODES else None
     ns, rest = _parser().parse_known_args(argv)

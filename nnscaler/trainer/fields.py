@@ -1,10 +1,10 @@
 """The machinery under the Trainer's config classes: import paths, and values checked
 against the field annotations.
 
-:func:`resolve_object` turns an import path (``'torch.optim.AdamW'``) into the object;
-:class:`Checked` is the base of every config class in :mod:`nnscaler.trainer.args`: its
+`resolve_object` turns an import path (``'torch.optim.AdamW'``) into the object;
+`Checked` is the base of every config class in `nnscaler.trainer.args`: its
 fields are checked (and converted: a mapping into a config class, an int into a float)
-when it is built, and a bad value raises :class:`~nnscaler.trainer.errors.ConfigError`
+when it is built, and a bad value raises `ConfigError`
 naming the dotted key and, for a typo, the closest valid key.
 """
 
@@ -42,7 +42,7 @@ def resolve_object(ref: Any, key: str) -> Any:
     """The object ``ref`` names: ``ref`` itself when it is not a string, else the object
     at its import path (``'package.module.Name'``, attributes after the module allowed).
 
-    Raises :class:`ConfigError` naming ``key`` when the path does not import.
+    Raises `ConfigError` naming ``key`` when the path does not import.
     """
     if not isinstance(ref, str):
         return ref
@@ -149,7 +149,7 @@ def _convert_union(value: Any, options: tuple, key: str) -> Any:
 
 def _convert(value: Any, hint: Any, key: str) -> Any:
     """``value`` checked against the type ``hint`` (and converted: a mapping into a
-    config class, an int into a float); raises :class:`ConfigError` naming ``key``."""
+    config class, an int into a float); raises `ConfigError` naming ``key``."""
     origin = typing.get_origin(hint)
     if hint is Any:
         return value

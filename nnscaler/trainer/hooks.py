@@ -1,5 +1,5 @@
 """The Trainer's hooks: objects whose methods, named like the fields of
-:class:`~nnscaler.trainer.args.HookMapConfig`, are called with the Trainer first."""
+`HookMapConfig`, are called with the Trainer first."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["TrainHook", "build_hooks", "call_hooks"]
 
 class TrainHook:
     """Base class of hook objects: override the methods you need (names and arguments
-    as in :class:`~nnscaler.cli.trainer_args.HookMapConfig`); each gets the Trainer
+    as in `HookMapConfig`); each gets the Trainer
     first. An optimizer or LR scheduler that is a ``TrainHook`` is called too."""
 
 
@@ -27,7 +27,7 @@ def call_hooks(hooks: Sequence[Any], name: str, *args: Any) -> None:
 
 
 class _MapHook:
-    """Adapts a :class:`HookMapConfig` (functions by hook name) to the hook protocol."""
+    """Adapts a `HookMapConfig` (functions by hook name) to the hook protocol."""
 
     def __init__(self, config: HookMapConfig) -> None:
         for name in HOOK_NAMES:

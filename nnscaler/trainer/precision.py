@@ -1,19 +1,19 @@
 """Mixed precision: fp32 master weights under a bf16/fp16 module, and fp16 loss scaling;
-:class:`Precision` applies ``TrainerArgs.precision`` for the Trainer.
+`Precision` applies ``TrainerArgs.precision`` for the Trainer.
 
 ``TrainerArgs(precision='bf16')`` (or ``'fp16'``) casts the module's floating-point
 parameters, buffers and inputs to that type, so forward and backward run in low
 precision. The optimizer must not update low-precision weights directly (small updates
-round away), so :func:`mixed_precision` turns any torch optimizer class into one that
+round away), so `mixed_precision` turns any torch optimizer class into one that
 keeps, per parameter, an fp32 copy (``state['master_param']``) and fp32 optimizer state:
 at each step it casts the gradient to fp32, runs the wrapped algorithm on the master
 copy, and writes the result back, rounded, into the module's parameter.
-:class:`MixedPrecisionAdamW` is ``mixed_precision(torch.optim.AdamW)``.
+`MixedPrecisionAdamW` is ``mixed_precision(torch.optim.AdamW)``.
 
 The master copy lives in the optimizer state, one value per parameter element, so it is
 saved, deduped and merged by ``nnscaler.checkpoint`` like ``exp_avg``.
 
-fp16 has a narrow range: :class:`DynamicLossScaler` multiplies the loss by a large
+fp16 has a narrow range: `DynamicLossScaler` multiplies the loss by a large
 factor before backward (so small gradients do not underflow), divides the gradients
 back before the step, and skips the step and halves the factor when a gradient
 overflowed; after ``growth_interval`` clean steps it doubles the factor again.
@@ -152,7 +152,7 @@ MixedPrecisionAdam = mixed_precision(torch.optim.Adam)
 class DynamicLossScaler:
     """fp16 dynamic loss scaling (state saved in checkpoints).
 
-    ``scale`` multiplies the loss; :meth:`update` halves it after an overflow (the step
+    ``scale`` multiplies the loss; `update` halves it after an overflow (the step
     is skipped) and doubles it after ``growth_interval`` steps without one.
     """
 
@@ -235,7 +235,7 @@ class Precision:
         return pytree.tree_map(move, batch)
 
     def optimizer_class(self, opt_type: Any) -> Any:
-        """``opt_type``, wrapped by :func:`mixed_precision` below fp32."""
+        """``opt_type``, wrapped by `mixed_precision` below fp32."""
         if self.args.resolved_precision == "fp32":
             return opt_type
         if not (isinstance(opt_type, type) and issubclass(opt_type, torch.optim.Optimizer)):

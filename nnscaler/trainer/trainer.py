@@ -13,11 +13,11 @@ and plan): the checkpoint holds the model, the optimizer, the LR scheduler, the 
 scaler, every RNG and the data position. See ``docs/trainer.md``.
 
 The Trainer holds the run's state (what it built and where training stands; hooks read
-it) and hands the work to its parts: :class:`~nnscaler.trainer.build.Builder` (process
-group, data, model, optimizer), :class:`~nnscaler.trainer.step.StepLoop` (the loop, a
-step, validation), :class:`~nnscaler.trainer.precision.Precision`,
-:class:`~nnscaler.trainer.progress.Progress` (progress bar and metric loggers) and
-:class:`~nnscaler.trainer.checkpointer.Checkpointer` (saving and resuming).
+it) and hands the work to its parts: `Builder` (process
+group, data, model, optimizer), `StepLoop` (the loop, a
+step, validation), `Precision`,
+`Progress` (progress bar and metric loggers) and
+`Checkpointer` (saving and resuming).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Trainer:
 
     ``argv``: command-line arguments of ``nnscaler-train`` (``-f config.yaml`` and
     dotted overrides), used when ``train_args`` is None. ``train_args``: a
-    :class:`TrainerArgs` or a mapping of its fields.
+    `TrainerArgs` or a mapping of its fields.
     """
 
     def __init__(self, argv: list[str] | None = None, *,
@@ -169,7 +169,7 @@ class Trainer:
         call_hooks(self.hooks, "after_setup", self)
 
     def train(self) -> None:
-        """The training loop (after :meth:`setup`)."""
+        """The training loop (after `setup`)."""
         try:
             self.loop.train()
         except BaseException:

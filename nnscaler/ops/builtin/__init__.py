@@ -1,7 +1,7 @@
 """Built-in annotations for the torch functions that models call.
 
 This package is a plugin like any other: its ``nnscaler_register_ops`` hook registers
-every family listed in :data:`FAMILIES`. Each family (a module, or a package of
+every family listed in `FAMILIES`. Each family (a module, or a package of
 sub-family modules such as ``shape`` and ``indexing``) defines ``register(registry)``.
 """
 
@@ -30,6 +30,6 @@ FAMILIES: tuple[str, ...] = (
 
 @hookimpl
 def nnscaler_register_ops(registry: OpRegistry) -> None:
-    """Register the ops of every family in :data:`FAMILIES`, in that order."""
+    """Register the ops of every family in `FAMILIES`, in that order."""
     for family in FAMILIES:
         importlib.import_module(f"{__name__}.{family}").register(registry)

@@ -1,12 +1,12 @@
 """Elementwise ops: unary math, activations, broadcasting binary ops, dtype conversions.
 
 Every output element depends on the input elements at the same (broadcast) position
-only, so every dim may be split (``* -> *``, or :func:`broadcast_anno` when inputs
+only, so every dim may be split (``* -> *``, or `broadcast_anno` when inputs
 broadcast). ``rrelu`` is random while training; it is annotated the same way (each part
 draws its own slopes, with the same distribution) and verified with ``training=False``.
 Dropout lives in the ``nn`` family.
 
-The helpers at the top (:func:`broadcast_op`, :func:`register_all`, the input generators)
+The helpers at the top (`broadcast_op`, `register_all`, the input generators)
 are shared with the ``compare``, ``creation`` and ``reduce`` families.
 """
 
@@ -105,7 +105,7 @@ def register_all(
 def shape(
     rng: random.Random, min_ndim: int = 1, max_ndim: int = 4, sizes: Sequence[int] = SIZES
 ) -> tuple[int, ...]:
-    """A random shape with at most :data:`MAX_NUMEL` elements."""
+    """A random shape with at most `MAX_NUMEL` elements."""
     while True:
         s = rand_shape(rng, min_ndim, max_ndim, sizes)
         if math.prod(s) <= MAX_NUMEL:

@@ -11,7 +11,7 @@ The marks follow the reduction:
 
 A dim that a per-sample loss mixes (the class dim of cross_entropy) is ``^`` throughout;
 cross_entropy's transform rule splits its class dim all the same, into parts that run
-:func:`class_parallel_cross_entropy` and exchange a few numbers per sample.
+`class_parallel_cross_entropy` and exchange a few numbers per sample.
 The output of a reduced loss is the 0-d tensor ``1``.
 """
 
@@ -153,7 +153,7 @@ def class_parallel_cross_entropy(
     group=SINGLE,
 ):
     """``F.cross_entropy`` on this part's classes ``[class_start, class_start + C_part)``
-    of ``num_classes``, the parts joined by ``group`` (a :class:`PartGroup`): every part
+    of ``num_classes``, the parts joined by ``group`` (a `PartGroup`): every part
     returns the loss over all classes. Targets are class indices (read whole) or class
     probabilities (split like ``input``); no class weights.
 
@@ -211,7 +211,7 @@ def _class_parallel_ce_anno(input, target, weight=None, size_average=None, ignor
 
 def cross_entropy_rules(bound: Any) -> list[TransformRule]:
     """cross_entropy without class weights splits its class dim: the parts run
-    :func:`class_parallel_cross_entropy` and each returns the whole loss."""
+    `class_parallel_cross_entropy` and each returns the whole loss."""
     x, t, w = bound.input_shapes[:3]
     if x is None or t is None or w is not None or not x:
         return []

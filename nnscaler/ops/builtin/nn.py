@@ -1,8 +1,8 @@
 """Neural-network functions: softmax, dropout, embedding, one_hot, pad, glu, normalize.
 
 The rest of ``torch.nn.functional`` lives in sibling modules of this family:
-:mod:`.norm` (layer/rms/group/batch/instance norm), :mod:`.loss` (the losses),
-:mod:`.conv` (convolutions) and :mod:`.attention` (scaled dot-product attention).
+`norm` (layer/rms/group/batch/instance norm), `loss` (the losses),
+`conv` (convolutions) and `attention` (scaled dot-product attention).
 Each is a family of its own in ``FAMILIES``.
 
 A dim that the function mixes non-linearly (the softmax dim, the normalized dims) is
@@ -205,7 +205,7 @@ def _row_parallel_embedding_anno(input, weight, padding_idx=None, max_norm=None,
 
 
 def embedding_rules(bound: Any) -> list[TransformRule]:
-    """embedding splits its table by rows: the parts run :func:`row_parallel_embedding`
+    """embedding splits its table by rows: the parts run `row_parallel_embedding`
     and their outputs sum to the lookup (value-partial). Not with ``max_norm``, which
     renormalizes the table in place."""
     x, w = bound.input_shapes[:2]

@@ -10,13 +10,13 @@ With flash-attn installed and the tensors on CUDA, the call runs flash-attn; oth
 a ``scaled_dot_product_attention`` fallback with the same semantics. Under the nnscaler
 tracer each call is recorded as one operator (``flash_attn.flash_attn_func``, ...)
 whose annotation lets the batch and the heads be split (see
-:mod:`nnscaler_ops_flash_attn.annotations`); the plugin registers those operators
-through the ``nnscaler_register_ops`` hook (:mod:`nnscaler_ops_flash_attn.plugin`).
+`nnscaler_ops_flash_attn.annotations`); the plugin registers those operators
+through the ``nnscaler_register_ops`` hook (`nnscaler_ops_flash_attn.plugin`).
 
 ``flash_attn_segmented_func`` is this plugin's own: padded and packed batches in the dense
-layout (:mod:`nnscaler_ops_flash_attn.segments`). :func:`register_hf_attention` makes all of
+layout (`nnscaler_ops_flash_attn.segments`). `register_hf_attention` makes all of
 them a Hugging Face attention, ``attn_implementation="nnscaler_fa"``
-(:mod:`nnscaler_ops_flash_attn.hf`).
+(`nnscaler_ops_flash_attn.hf`).
 """
 
 from __future__ import annotations

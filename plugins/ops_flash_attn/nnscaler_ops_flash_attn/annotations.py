@@ -65,7 +65,7 @@ def _dense_annotation(
     options: checks.Options,
     return_attn_probs: bool,
 ) -> str:
-    """Check a dense call (:func:`checks.check_dense_call`) and annotate it; ``q_kv``:
+    """Check a dense call (`checks.check_dense_call`) and annotate it; ``q_kv``:
     templates of its tensors with ``{b} {s} {t} {qh} {kh} {d}`` fields."""
     _, shapes = checks.check_dense_call(fn, tensors, options)
     nheads_q, nheads_k, alibi_slopes = shapes.nheads_q, shapes.nheads_k, options.alibi_slopes
@@ -192,7 +192,7 @@ def flash_attn_segmented_func_annotation(
     """E.g. ``b s^ (h r^) d^, b s^ h d^, b s^ h d^, b s^ -> b s^ (h r^) d^`` (GQA).
 
     Sequences never cross rows, so the batch splits with its ``segment_ids``; the heads
-    split as in :func:`flash_attn_func_annotation`, with ``segment_ids`` replicated.
+    split as in `flash_attn_func_annotation`, with ``segment_ids`` replicated.
     """
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap)
     shapes = checks.check_segmented("flash_attn_segmented_func", q, k, v, segment_ids, options)
@@ -300,7 +300,7 @@ def gen_flash_attn_varlen_func(rng: random.Random) -> Call:
 
 def _segment_row(rng: random.Random, seqlen: int, window: bool) -> list[int]:
     """One row of segment ids: left or right padding, or packed sequences (see
-    :mod:`nnscaler_ops_flash_attn.segments` for the rules a row keeps)."""
+    `nnscaler_ops_flash_attn.segments` for the rules a row keeps)."""
     kind = rng.choice(["plain", "left", "right", "packed", "packed_padded", "all_padding"])
     if kind == "plain":
         return [rng.randint(1, 3)] * seqlen

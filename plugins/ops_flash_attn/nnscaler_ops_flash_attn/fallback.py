@@ -14,7 +14,7 @@ flash-attn's, as its documentation states them:
 - ``alibi_slopes``: ``-slope * |i + seqlen_k - seqlen_q - j|`` is added to the scores;
 - a query row that sees no key at all yields zeros.
 
-The common case runs :func:`torch.nn.functional.scaled_dot_product_attention`; softcap
+The common case runs `torch.nn.functional.scaled_dot_product_attention`; softcap
 needs the scores themselves, so it takes an explicit softmax path.
 """
 
@@ -82,7 +82,7 @@ def attention(
 ) -> torch.Tensor:
     """Dense attention, ``q (b, sq, hq, d)``, ``k``/``v`` ``(b, sk, hk, d)`` -> ``(b, sq, hq, d)``.
 
-    The caller has checked the shapes (:func:`nnscaler_ops_flash_attn.checks.check_dense`).
+    The caller has checked the shapes (`nnscaler_ops_flash_attn.checks.check_dense`).
     """
     if return_attn_probs:
         raise _not_implemented(
@@ -202,7 +202,7 @@ def varlen_attention(
     block_table: torch.Tensor | None = None,
     fn: str = "flash_attn_varlen_func",
 ) -> torch.Tensor:
-    """Packed attention: one :func:`attention` per sequence given by the cu_seqlens.
+    """Packed attention: one `attention` per sequence given by the cu_seqlens.
 
     Query rows past ``cu_seqlens_q[-1]`` (padding) are zero.
     """

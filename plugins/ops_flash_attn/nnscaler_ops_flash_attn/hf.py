@@ -1,6 +1,6 @@
 """Hugging Face attention backed by this plugin's operators.
 
-:func:`register_hf_attention` registers the attention ``"nnscaler_fa"`` with transformers'
+`register_hf_attention` registers the attention ``"nnscaler_fa"`` with transformers'
 ``AttentionInterface`` and its mask function with ``AttentionMaskInterface``; a model
 built with ``attn_implementation="nnscaler_fa"`` then runs every attention layer as one
 operator of this plugin, which nnscaler's tracer records whole and whose batch and heads
@@ -25,8 +25,8 @@ collators), batch of 1, no padding mask
 The mask function never reads tensor data: under a trace (where transformers cannot tell
 whether ``position_ids`` restart) it turns the model's own mask rule into segment ids with
 tensor ops, by asking the rule whether each token sees its neighbour (see
-:func:`attention_mask`). What flash attention cannot express is refused with
-:class:`UnsupportedAttentionError`: custom mask overlays, 4D masks, a padding mask with a
+`attention_mask`). What flash attention cannot express is refused with
+`UnsupportedAttentionError`: custom mask overlays, 4D masks, a padding mask with a
 key/value cache, attention sinks. Two cases show only in the data and are refused by the
 operator when the batch runs (a ``ValueError``): a token that sees a later token under a
 causal mask, and ``cu_seq_lens_q`` and ``cu_seq_lens_k`` that differ.
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import nnscaler_ops_flash_attn as ops
 from nnscaler import NNScalerError
 
-#: the ``attn_implementation`` name that :func:`register_hf_attention` registers
+#: the ``attn_implementation`` name that `register_hf_attention` registers
 HF_ATTENTION = "nnscaler_fa"
 
 _FIX = "build the model with attn_implementation='sdpa' (or 'eager'), which nnscaler traces too"
@@ -85,7 +85,7 @@ def attention_mask(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """What each layer receives as ``attention_mask``: None (nothing to mask), or segment
-    ids ``(batch, kv_length)`` for :func:`~nnscaler_ops_flash_attn.flash_attn_segmented_func`
+    ids ``(batch, kv_length)`` for `flash_attn_segmented_func`
     (the bool padding mask, or integers when sequences are packed).
 
     transformers' mask builders pass ``allow_is_causal_skip=False`` to a causal mask that

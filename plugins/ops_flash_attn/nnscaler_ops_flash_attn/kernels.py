@@ -1,13 +1,13 @@
 """The raw operators: flash-attn's signatures, dispatching to flash-attn or the fallback.
 
 These are the callables registered as nnscaler ops (generated code calls them). Models
-call the recording wrappers of the same names exported by :mod:`nnscaler_ops_flash_attn`,
+call the recording wrappers of the same names exported by `nnscaler_ops_flash_attn`,
 which a running tracer records as one op each.
 
 Dispatch: when the ``flash_attn`` package imports *and* the query tensor is on CUDA, the
 call goes to ``flash_attn`` with the same arguments; otherwise to
-:mod:`nnscaler_ops_flash_attn.fallback`. Both paths first check the shapes
-(:mod:`nnscaler_ops_flash_attn.checks`).
+`nnscaler_ops_flash_attn.fallback`. Both paths first check the shapes
+(`nnscaler_ops_flash_attn.checks`).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def flash_attn_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Result:
-    """:func:`flash_attn_func` with ``qkv (batch, seqlen, 3, nheads, headdim)`` stacked."""
+    """`flash_attn_func` with ``qkv (batch, seqlen, 3, nheads, headdim)`` stacked."""
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return _dense("flash_attn_qkvpacked_func", (qkv,), options, deterministic, return_attn_probs)
 
@@ -189,7 +189,7 @@ def flash_attn_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Result:
-    """:func:`flash_attn_func` with ``kv (batch, seqlen_k, 2, nheads_k, headdim)`` stacked."""
+    """`flash_attn_func` with ``kv (batch, seqlen_k, 2, nheads_k, headdim)`` stacked."""
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return _dense("flash_attn_kvpacked_func", (q, kv), options, deterministic, return_attn_probs)
 
@@ -213,10 +213,10 @@ def flash_attn_segmented_func(
     Token ``i`` sees token ``j`` of its row when both have the same nonzero id, and
     ``causal`` / ``window_size`` allow it (counted in positions of the row); 0 marks
     padding, whose output rows are zero. A batch whose rows are each one id with no padding
-    is one :func:`flash_attn_func` call; otherwise the tokens that are not padding are
-    gathered into flash-attn's packed layout, run by :func:`flash_attn_varlen_func`, and
-    put back (:mod:`nnscaler_ops_flash_attn.segments` states when that is exact, and
-    raises where it is not). The other options are :func:`flash_attn_func`'s.
+    is one `flash_attn_func` call; otherwise the tokens that are not padding are
+    gathered into flash-attn's packed layout, run by `flash_attn_varlen_func`, and
+    put back (`nnscaler_ops_flash_attn.segments` states when that is exact, and
+    raises where it is not). The other options are `flash_attn_func`'s.
     """
     fn = "flash_attn_segmented_func"
     options = checks.Options(dropout_p, softmax_scale, causal, window_size, softcap)

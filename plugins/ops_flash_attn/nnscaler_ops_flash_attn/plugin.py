@@ -2,8 +2,8 @@
 
 Found through the entry point ``ops_flash_attn`` in the group ``nnscaler``. Each op is
 registered under the name ``flash_attn.<function>`` for the raw implementation in
-:mod:`nnscaler_ops_flash_attn.kernels` (what generated code calls), with the recording
-wrapper of the same name exported by :mod:`nnscaler_ops_flash_attn` (what models call,
+`nnscaler_ops_flash_attn.kernels` (what generated code calls), with the recording
+wrapper of the same name exported by `nnscaler_ops_flash_attn` (what models call,
 and what a running tracer records as that op) as an alias.
 """
 

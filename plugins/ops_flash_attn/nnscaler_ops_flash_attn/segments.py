@@ -15,7 +15,7 @@ row) starts a sequence. That is exact when:
 - with a window, each sequence has no padding inside it (flash-attn counts the window in
   gathered tokens; the rule counts positions of the row).
 
-:func:`plan` reads the ids (this runs inside the op, at run time, never in a trace) and
+`plan` reads the ids (this runs inside the op, at run time, never in a trace) and
 raises a ``ValueError`` naming the row and the token when a batch breaks a rule.
 """
 

@@ -1,7 +1,7 @@
 """``autodist``: nnscaler's searching policy, as a plugin.
 
-A measured cost model (:mod:`.profile`, :mod:`.comm`, :mod:`.model`) and exact solvers
-(:mod:`.spmd` within a stage, :mod:`.pipeline` across stages) choose data, tensor and
+A measured cost model (`profile`, `comm`, `model`) and exact solvers
+(`spmd` within a stage, `pipeline` across stages) choose data, tensor and
 pipeline parallelism. Installing the package registers the policy ``autodist``::
 
     parallelize(Model, dummy_args, "autodist", ComputeConfig(plan_ngpus=2, runtime_ngpus=4,

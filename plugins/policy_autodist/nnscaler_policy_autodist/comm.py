@@ -1,11 +1,11 @@
 """Device figures and the communication model: the time of a layout plan's steps.
 
-A step of a :class:`nnscaler.layout.Plan` moves ``step.cost`` elements through its
+A step of a `nnscaler.layout.Plan` moves ``step.cost`` elements through its
 busiest device, over groups of ``g`` devices. Its time is ``latency * (g - 1) + bytes /
 bandwidth``, with the bandwidth of NVLink (or the local fabric) when the group stays in
 one node and of the network otherwise. The figures come from a measurement on the present
-process group (:func:`measure_comm`, cached in the profile directory) or, for a named
-device type, from :data:`DEVICE_SPECS` (public figures; a plan for a cluster that is not
+process group (`measure_comm`, cached in the profile directory) or, for a named
+device type, from `DEVICE_SPECS` (public figures; a plan for a cluster that is not
 here).
 """
 
@@ -54,7 +54,7 @@ class DeviceSpec:
     per_node: int
     launch: float
     #: measured all-reduce times inside a node, ``((bytes, seconds), ...)`` by size, on a
-    #: group of ``curve_group`` processes (:func:`measure_comm`); empty: the formula
+    #: group of ``curve_group`` processes (`measure_comm`); empty: the formula
     allreduce_curve: tuple[tuple[float, float], ...] = ()
     curve_group: int = 0
 
@@ -138,7 +138,7 @@ class CommModel:
     def allreduce_time(self, nbytes: float, g: int, *, cross: bool = False,
                        bucketed: bool = True) -> float:
         """A ring all-reduce of ``nbytes`` over ``g`` devices. Gradients are synchronised
-        in buckets (``bucketed``): their latency is shared by :data:`BUCKET_BYTES`."""
+        in buckets (``bucketed``): their latency is shared by `BUCKET_BYTES`."""
         if g <= 1 or nbytes <= 0:
             return 0.0
         if not cross and self.spec.allreduce_curve:
@@ -152,7 +152,7 @@ class CommModel:
         return lat + 2 * (g - 1) / g * nbytes / bw
 
 
-#: How :func:`measure_comm` measures; figures cached another way are measured again.
+#: How `measure_comm` measures; figures cached another way are measured again.
 METHOD = 3
 
 
@@ -209,9 +209,9 @@ def measure_comm(profile_dir: Path | str, *,
     running slower. On this project's 2-core machine a 4 KiB all-reduce costs 0.3-2 ms
     back to back but adds 1.3-3 ms to a computation; 16 rounds of 2.3 ms of matmuls took
     79 ms with one all-reduce and 112 ms with one after each round. The times are made
-    non-decreasing in the size (:func:`monotone`).
+    non-decreasing in the size (`monotone`).
 
-    ``autodist`` calls it itself, through :func:`nnscaler.parallel.call_on_every_rank`,
+    ``autodist`` calls it itself, through `nnscaler.parallel.call_on_every_rank`,
     the first time it plans inside a distributed ``parallelize`` with no figures cached.
     """
     import statistics
@@ -283,8 +283,8 @@ def measure_comm(profile_dir: Path | str, *,
 
 
 def comm_measured(profile_dir: Path | str, group: int) -> bool:
-    """Whether :func:`measure_comm` cached figures for this device type and a group of
-    ``group`` processes there, measured the present way (:data:`METHOD`)."""
+    """Whether `measure_comm` cached figures for this device type and a group of
+    ``group`` processes there, measured the present way (`METHOD`)."""
     from nnscaler.runtime.device import device_type
 
     path = _cache_file(Path(profile_dir), device_type(), group)
@@ -295,8 +295,8 @@ def comm_measured(profile_dir: Path | str, group: int) -> bool:
 
 
 def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> DeviceSpec:
-    """The figures for ``device`` (a name of :data:`DEVICE_SPECS`), or for the present
-    device type with the communication figures :func:`measure_comm` cached for a group
+    """The figures for ``device`` (a name of `DEVICE_SPECS`), or for the present
+    device type with the communication figures `measure_comm` cached for a group
     of ``group`` processes (else for the nearest group size measured; else defaults)."""
     if device is not None and device not in ("cpu", "cuda"):
         return DEVICE_SPECS[device]

@@ -1,4 +1,4 @@
-"""The ``pas_config`` keys of ``autodist``, checked once into a frozen :class:`AutoDistConfig`.
+"""The ``pas_config`` keys of ``autodist``, checked once into a frozen `AutoDistConfig`.
 
 Every key is optional. An unknown key is an error that names it and the closest known
 key: a misspelt ``mem_constriant`` must not silently plan without a memory limit.
@@ -72,7 +72,7 @@ def default_profile_dir() -> Path:
 
 @attrs.frozen(kw_only=True)
 class AutoDistConfig:
-    """What ``autodist`` was asked for (see :data:`KEYS`)."""
+    """What ``autodist`` was asked for (see `KEYS`)."""
 
     mem_constraint: float | None = None  # bytes per device
     pipeline_nstages: int | str = 1
@@ -106,7 +106,7 @@ def _positive_int(key: str, value: Any) -> int:
 
 def parse_config(pas_config: Mapping[str, Any] | None,
                  pipeline: PipelineConfig | None = None) -> AutoDistConfig:
-    """Check ``pas_config`` and return the :class:`AutoDistConfig` it asks for; the
+    """Check ``pas_config`` and return the `AutoDistConfig` it asks for; the
     micro-batches and the scheduler come from ``pipeline`` (the compute config's
     ``pipeline``, read from the same ``pas_config`` keys), or else from ``pas_config``."""
     cfg = dict(pas_config or {})

@@ -1,8 +1,8 @@
 """Partition constraints: a YAML file that limits the splits ``autodist`` may choose.
 
 The file is a list of entries; each selects ops by ``module`` (a module path prefix or a
-glob, as :meth:`nnscaler.graph.IRGraph.select` reads it) and/or ``name`` (the op's name,
-full or its last part, or a glob), and lists the choices they may take in ``splits``:
+glob, as [`nnscaler.graph.IRGraph.select`][nnscaler.IRGraph.select] reads it) and/or ``name`` (the
+op's name, full or its last part, or a glob), and lists the choices they may take in ``splits``:
 ``replicate``, or ``"idx,dim"`` (split input ``idx`` along dim ``dim``)::
 
     - module: gpt.blocks.*.mlp.fc

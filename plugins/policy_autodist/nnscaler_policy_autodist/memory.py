@@ -1,7 +1,7 @@
 """Measure the peak memory of a training step on this rank, to hold the cost model's
 memory estimate against.
 
-autodist estimates the bytes per device of a plan (:mod:`.model`: parameters, gradients,
+autodist estimates the bytes per device of a plan (`model`: parameters, gradients,
 optimizer state, activations kept for backward, in-flight micro-batches); this module
 measures what a step really holds, on the device the step runs on:
 
@@ -32,15 +32,15 @@ measures what a step really holds, on the device the step runs on:
   where a block made under an earlier profile had the same address and was freed outside
   one, counted at that block's size. A block freed on a thread without the profiler's
   state (a collective's input released as gloo's worker drops its work) stays counted as
-  held. Each shows in :attr:`PeakMemory.unaccounted`; measuring every step from the first
+  held. Each shows in `PeakMemory.unaccounted`; measuring every step from the first
   (so that what a step frees was made under a profile) avoids the first two. The true
-  peak lies between :attr:`PeakMemory.low` and :attr:`PeakMemory.high`, equal to ``peak``
+  peak lies between `PeakMemory.low` and `PeakMemory.high`, equal to ``peak``
   when nothing is unaccounted. The allocator statistic of CUDA has none of these limits.
 
 ``PeakMemory.after`` recounts the roots (and what the step returned) when the step ends;
 ``PeakMemory.end`` is the resident bytes plus the step's net allocations. They are equal
 when ``roots`` hold everything the step keeps, which is how a caller checks that the roots
-were complete (:attr:`PeakMemory.unaccounted`).
+were complete (`PeakMemory.unaccounted`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ T = TypeVar("T")
 
 
 class MeasureError(NNScalerError, ValueError):
-    """A device :func:`measure_peak` cannot measure."""
+    """A device `measure_peak` cannot measure."""
 
 
 @attrs.frozen

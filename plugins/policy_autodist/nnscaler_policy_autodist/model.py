@@ -5,7 +5,7 @@ A stage of ``k`` devices runs each op either replicated on all ``k`` or split in
 parts by one transform of its transform space (``op.anno.transform_space(k)`` with its
 op's rules), part ``p`` on device ``p``. For an option the model knows, per device:
 
-- ``time``: the part's forward and backward time (:mod:`.profile`), the forward again
+- ``time``: the part's forward and backward time (`profile`), the forward again
   when the op is recomputed; plus the collectives its parts run among themselves (a
   split whose rule calls a collective part op, such as a cross-entropy split over its
   classes: recorded by calling the part op on meta tensors); plus the moves of what it
@@ -32,9 +32,9 @@ op's rules), part ``p`` on device ``p``. For an option the model knows, per devi
 
 An edge between the producer of an activation and a consumer costs the layout plan from
 the layout the producer's option writes to the one the consumer's option reads
-(:func:`nnscaler.layout.plan`, timed by :class:`~.comm.CommModel`), forward and backward.
+(`nnscaler.layout.plan`, timed by `CommModel`), forward and backward.
 
-Repeated blocks (:func:`nnscaler.graph.blocks.repeated_blocks`) are *tied*: the costs of
+Repeated blocks (`nnscaler.graph.blocks.repeated_blocks`) are *tied*: the costs of
 an instance are computed once, and every op of an instance between the first and the last
 takes the choice of the op at its position in the second instance. The first and last
 instances choose for themselves (the ops before the first, or after the last, are not
@@ -115,7 +115,7 @@ def _is_weight(full: FullTensor) -> bool:
 
 
 class CostModel:
-    """Builds :class:`StageProblem` s for the ops of stages of ``k`` devices."""
+    """Builds `StageProblem` s for the ops of stages of ``k`` devices."""
 
     def __init__(self, *, profiler: ComputeProfiler, comm: CommModel, units: int,
                  zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
@@ -132,7 +132,7 @@ class CostModel:
         #: the optimizer's step and the gradients' sum run once a step: per micro-batch,
         #: an option carries 1/micro_batches of them
         self.micro_batches = max(1, micro_batches)
-        #: processes per core of the devices planned for (:func:`.profile.core_share`)
+        #: processes per core of the devices planned for (`profile.core_share`)
         self.share = share
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 

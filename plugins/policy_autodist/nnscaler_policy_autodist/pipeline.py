@@ -182,7 +182,7 @@ def _plan_for(ops: Sequence[Op], n: int, s: int, model: CostModel, cfg: AutoDist
 
 
 def stages_time(sols: Sequence[Solution], nmicros: int, share: float = 1.0) -> float:
-    """:func:`step_time` of the stages' solutions."""
+    """`step_time` of the stages' solutions."""
     return step_time([x.time for x in sols], nmicros, [x.time - x.comm for x in sols], share)
 
 

@@ -2,11 +2,11 @@
 
 The order of the steps:
 
-1. read ``pas_config`` (:mod:`.config`); build the cost model: the device's figures
-   (:mod:`.comm`), the compute profiler (:mod:`.profile`), constraints and recomputation;
-2. choose the pipeline (:mod:`.pipeline`): the number of stages, the cuts at layer
-   boundaries, each stage's devices; or replay a saved plan (:mod:`.planfile`);
-3. solve each stage (:mod:`.spmd`) under the memory limit, with the stage's in-flight
+1. read ``pas_config`` (`config`); build the cost model: the device's figures
+   (`comm`), the compute profiler (`profile`), constraints and recomputation;
+2. choose the pipeline (`pipeline`): the number of stages, the cuts at layer
+   boundaries, each stage's devices; or replay a saved plan (`planfile`);
+3. solve each stage (`spmd`) under the memory limit, with the stage's in-flight
    micro-batches;
 4. apply the choices through the policy writer's API (``staging``, ``partition`` /
    ``replicate``, ``assign``, ``recompute``), check the plan, log the report, save the

@@ -1,6 +1,6 @@
 """Compute time of op parts, measured on this machine's device and cached on disk.
 
-For an op split by a transform (or whole), :class:`ComputeProfiler` runs one part,
+For an op split by a transform (or whole), `ComputeProfiler` runs one part,
 forward then backward, on tensors of the part's shapes (random floats, zeros for
 integers, ``True`` for masks), a few times, and keeps the mean without the slowest call.
 The cache is a JSON file per device under the profile directory, keyed by op name,
@@ -12,11 +12,11 @@ the meta device only) is never run: its time is measured on a part of a split th
 shrinks it (the first transform whose outputs are split, in ``m`` parts) and multiplied
 by ``m``, its work ratio. A part that cannot run alone (its parts talk to each other)
 costs its share of the whole op, and the collectives its parts run are recorded by
-calling it once on meta tensors (:meth:`ComputeProfiler.collectives`); an op whose
+calling it once on meta tensors (`ComputeProfiler.collectives`); an op whose
 function fails on made-up values gets the
-analytic estimate of the device's figures (:func:`analytic_time`). For a named device that is not here (``device_type='H100'``),
-every op gets the analytic estimate: its work over the device's throughput, or its bytes
-over its memory bandwidth, whichever is longer.
+analytic estimate of the device's figures (`analytic_time`). For a named device that is not here
+(``device_type='H100'``), every op gets the analytic estimate: its work over the device's
+throughput, or its bytes over its memory bandwidth, whichever is longer.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's logg
 MAX_PROFILE_BYTES = 64 * 1024 * 1024
 
 #: The most bytes of tensors (activations, weights, gradients, Adam's states) a whole
-#: model may hold for :meth:`ComputeProfiler.calibrate` to run it.
+#: model may hold for `ComputeProfiler.calibrate` to run it.
 MAX_CALIBRATION_BYTES = 1024 * 1024 * 1024
 
 
@@ -140,14 +140,14 @@ class ComputeProfiler:
                                self.path, e)
         self._memo: dict[tuple[int, Any, int], tuple[float, float]] = {}
         #: (ops, optimizer): what a whole step of the model takes over the sum of its
-        #: parts measured alone (:meth:`calibrate`); every time is scaled by it
+        #: parts measured alone (`calibrate`); every time is scaled by it
         self.factors: tuple[float, float] = (1.0, 1.0)
 
     # -- public ------------------------------------------------------------------------
     def time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
         """(forward, backward) seconds of one part of ``op`` split by ``t`` in ``num``
         parts (``t=None``: the whole op, as every replica runs it), in a step of the
-        calibrated model (:meth:`calibrate`)."""
+        calibrated model (`calibrate`)."""
         fw, bw = self._raw(op, t, num)
         return fw * self.factors[0], bw * self.factors[0]
 
@@ -167,7 +167,7 @@ class ComputeProfiler:
         and the ratio differs with the model's sizes. So the ops of the unsplit model run
         here once in program order on made-up values (forward, then backward from
         ``outputs``; then Adam's step over its weights), and ``factors`` become the
-        measured times over the sums of the profiled parts and of :meth:`optimizer_time`.
+        measured times over the sums of the profiled parts and of `optimizer_time`.
         Inside a distributed ``parallelize`` the other ranks keep their cores busy
         meanwhile, as in training. The factors are cached per model, with the profile.
         A model larger than ``max_bytes``, one whose ops reject made-up values, and a
@@ -244,9 +244,9 @@ class ComputeProfiler:
 
     def prefetch(self, requests: Sequence[tuple[Op, Transform | None, int]]) -> int:
         """Measure every ``(op, t, num)`` of ``requests`` missing from the cache, spread
-        over the ranks while rank 0 plans (:func:`nnscaler.parallel.map_over_ranks`: each
+        over the ranks while rank 0 plans (`nnscaler.parallel.map_over_ranks`: each
         time is then taken while every device computes, as in training); returns how
-        many were measured. Later :meth:`time` calls find them in the cache."""
+        many were measured. Later `time` calls find them in the cache."""
         if not self.measure:
             return 0
         jobs: dict[str, tuple[ProfileJob, Op, int]] = {}
@@ -279,7 +279,7 @@ class ComputeProfiler:
     def collectives(self, op: Op, t: Transform, num: int) -> tuple[PartCall, ...]:
         """The collectives one part of ``op`` split by ``t`` runs when ``t``'s parts talk
         to each other (its rule's ``part_op`` is collective): the part op is called once
-        on meta tensors of the part's shapes with a :class:`RecordingGroup`, which notes
+        on meta tensors of the part's shapes with a `RecordingGroup`, which notes
         every ``all_reduce`` and ``all_gather``. Empty for other splits."""
         memo = ("collectives", id(op), t, num)
         if memo in self._memo:
@@ -422,7 +422,7 @@ class PartCall:
 
 
 class RecordingGroup(PartGroup):
-    """A :class:`~nnscaler.anno.partgroup.PartGroup` of ``size`` parts that computes
+    """A `PartGroup` of ``size`` parts that computes
     nothing across parts but notes each collective a part op calls (on meta tensors)."""
 
     def __init__(self, size: int) -> None:
@@ -461,7 +461,7 @@ def _spec(x: Any) -> Any:
 @attrs.frozen
 class ProfileJob:
     """One measurement, as it travels to another rank: the registered op's name, its
-    arguments with :class:`TensorSpec` for tensors, and whether gradients flow."""
+    arguments with `TensorSpec` for tensors, and whether gradients flow."""
 
     op: str
     args: Any
@@ -563,14 +563,14 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     return (sum(x[0] for x in kept) / len(kept), sum(x[1] for x in kept) / len(kept))
 
 
-#: How :meth:`ComputeProfiler.calibrate` measures; factors cached another way are not used.
+#: How `ComputeProfiler.calibrate` measures; factors cached another way are not used.
 CALIBRATION_METHOD = 3
 
 _HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
 
 
 def _calibration_share(seconds: float) -> tuple[float, float] | str | None:
-    """Rank 0 runs the model it calibrates (:func:`_run_model`); every other rank keeps
+    """Rank 0 runs the model it calibrates (`_run_model`); every other rank keeps
     its core busy with matmuls for about ``seconds``, as it would in training."""
     job = _HERE.pop("job", None)
     if job is not None:

@@ -1,14 +1,14 @@
 """The intra-stage solvers: one option per op minimising time under the memory limit.
 
-Both minimise ``sum(node time) + sum(edge cost)`` (see :mod:`.model`) subject to
+Both minimise ``sum(node time) + sum(edge cost)`` (see `model`) subject to
 ``sum(weights) + inflight * sum(activations) + max(transients) <= limit`` bytes per
 device.
 
-- :func:`solve_ilp`: an integer program, solved exactly by CBC through pulp. One binary
+- `solve_ilp`: an integer program, solved exactly by CBC through pulp. One binary
   per option of each *representative* op (an op outside repeated blocks, or the template
   of one), so a model's depth adds nothing to it; an edge is linearised exactly with
   continuous pair variables whose rows and columns sum to the two ops' choices.
-- :func:`solve_dp`: a dynamic program in program order whose state is the choice of
+- `solve_dp`: a dynamic program in program order whose state is the choice of
   every op whose output is still to be read (the *frontier*): exact when the memory
   limit does not bind, in time linear in the number of ops for chain-like graphs
   (residual streams keep the frontier at two or three ops). A binding limit is priced
@@ -36,7 +36,7 @@ MAX_DP_STATES = 20000
 
 
 class NotChainLike(Exception):
-    """The DP's frontier grew beyond :data:`MAX_DP_STATES`."""
+    """The DP's frontier grew beyond `MAX_DP_STATES`."""
 
 
 @attrs.frozen
@@ -164,7 +164,7 @@ def _solve_ilp(pulp, problem: StageProblem, limit: float | None, inflight: int, 
 
 def solve_dp(problem: StageProblem, limit: float | None, inflight: int = 1, *,
              max_states: int = MAX_DP_STATES) -> Solution:
-    """The DP over the frontier (see the module docstring); raises :class:`NotChainLike`
+    """The DP over the frontier (see the module docstring); raises `NotChainLike`
     when the frontier outgrows ``max_states``."""
     best = _dp(problem, 0.0, inflight, max_states)
     if limit is None or best.mem <= limit:

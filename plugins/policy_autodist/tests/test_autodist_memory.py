@@ -1,6 +1,6 @@
 """The memory limit holds: autodist's plan under a limit that pure data parallelism
 exceeds fits, by its estimate and by the peak memory measured on every rank; and the
-measurement itself (:mod:`nnscaler_policy_autodist.memory`) is right on steps whose peak
+measurement itself (`nnscaler_policy_autodist.memory`) is right on steps whose peak
 is computed by hand."""
 
 from __future__ import annotations

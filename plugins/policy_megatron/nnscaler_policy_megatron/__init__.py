@@ -4,8 +4,8 @@
 ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
 ``virtual_pipeline_model_parallel_size`` (or ``num_layers_per_virtual_pipeline_stage``),
 ``sequence_parallel``, ``data_parallel`` and ``use_distributed_optimizer``;
-:func:`megatron_compute_config` builds the matching :class:`~nnscaler.ComputeConfig`.
-Transformer blocks are recognised by structure (:mod:`.structure`), so Hugging Face
+`megatron_compute_config` builds the matching [`ComputeConfig`][nnscaler.ComputeConfig].
+Transformer blocks are recognised by structure (`structure`), so Hugging Face
 models work as written. See docs/plugins/policy_megatron.md.
 """
 

@@ -10,7 +10,7 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
 - ``use_distributed_optimizer`` is ZeRO stage 1 over the data-parallel replicas:
   ``ComputeConfig.use_zero``.
 
-:func:`megatron_compute_config` builds the :class:`~nnscaler.ComputeConfig` from the
+`megatron_compute_config` builds the [`ComputeConfig`][nnscaler.ComputeConfig] from the
 Megatron sizes; the policy checks that the compute config it receives agrees with
 ``pas_config`` and says what to change when it does not.
 """
@@ -150,7 +150,7 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
                             use_distributed_optimizer: bool = False,
                             pas_config: Mapping[str, Any] | None = None,
                             **compute_config: Any) -> ComputeConfig:
-    """A :class:`~nnscaler.ComputeConfig` for the ``megatron`` policy from Megatron's
+    """A [`ComputeConfig`][nnscaler.ComputeConfig] for the ``megatron`` policy from Megatron's
     sizes: ``plan_ngpus = tp * pp``, ``runtime_ngpus = plan_ngpus * data_parallel``,
     ``use_zero = use_distributed_optimizer``; ``pas_config`` adds other keys (for a
     pipeline: ``pipeline_nmicros``, ``pipeline_scheduler``, which is

@@ -2,13 +2,13 @@
 
 Steps, in this order (each needs the one before):
 
-1. read the sizes (:mod:`nnscaler_policy_megatron.config`);
+1. read the sizes (`nnscaler_policy_megatron.config`);
 2. pipeline: cut the program into ``pp * vpp`` stages of whole transformer layers
    (a layer is an element of a module list: the module path up to its first index),
    the ops before the first layer (embeddings) in the first stage and those after the
    last (final norm, LM head, loss) in the last; stage ``s`` runs on pipeline rank
    ``s % pp``, as Megatron's interleaved schedule places virtual stages;
-3. tensor parallelism: the regions of :mod:`nnscaler_policy_megatron.structure` split
+3. tensor parallelism: the regions of `nnscaler_policy_megatron.structure` split
    over the ``tp`` devices of their pipeline rank;
 4. the other ops (norms, dropout, residual adds, the position embedding): with
    ``sequence_parallel``, split along the sequence where they carry it, so nnscaler
@@ -180,5 +180,5 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
 
 def megatron(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Megatron-LM's tensor (+ sequence), pipeline and data parallelism, configured by
-    ``pas_config`` in Megatron's vocabulary (see :mod:`nnscaler_policy_megatron`)."""
+    ``pas_config`` in Megatron's vocabulary (see `nnscaler_policy_megatron`)."""
     return plan(graph, compute_config)[0]

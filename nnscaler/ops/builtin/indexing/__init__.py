@@ -1,6 +1,6 @@
-"""Indexing ops, by sub-family: :mod:`.subscript` (``x[key]``, ``x[key] = v``,
-index_put), :mod:`.gather` (gather, take_along_dim, take), :mod:`.scatter` (scatter and
-index_*), :mod:`.masked` (masked_select, masked_scatter) and :mod:`.counting` (histc,
+"""Indexing ops, by sub-family: `subscript` (``x[key]``, ``x[key] = v``,
+index_put), `gather` (gather, take_along_dim, take), `scatter` (scatter and
+index_*), `masked` (masked_select, masked_scatter) and `counting` (histc,
 bincount, searchsorted, bucketize, nonzero, argwhere).
 
 Each sub-family module documents its rule and defines ``register``; the family's
@@ -20,6 +20,6 @@ SUBFAMILIES = (subscript, gather, scatter, masked, counting)
 
 
 def register(registry: OpRegistry) -> None:
-    """Register every indexing op (each sub-family in :data:`SUBFAMILIES` order)."""
+    """Register every indexing op (each sub-family in `SUBFAMILIES` order)."""
     for module in SUBFAMILIES:
         module.register(registry)

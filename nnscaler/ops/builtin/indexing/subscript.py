@@ -11,7 +11,7 @@ the key is ``?``. A key that is one integer tensor is itself annotated, so the i
 be split: ``x[idx]`` on ``n d`` with ``idx`` of shape ``i j`` is ``a^ b, c d -> c d b``.
 
 ``Tensor.__setitem__`` returns ``None`` in Python; the op registered for it is
-:func:`setitem`, which performs the assignment and returns the mutated tensor, so that the
+`setitem`, which performs the assignment and returns the mutated tensor, so that the
 op's output is the new value of ``self`` (like an in-place ``add_``). Its annotation is
 ``self, ?, value -> self`` with the value's dims sharing the identifiers of the dims of
 ``self[key]`` that they fill (a broadcast value dim is ``1``).

@@ -1,7 +1,7 @@
-"""Shape ops, by sub-family: :mod:`.reshape` (view, reshape, flatten, unflatten),
-:mod:`.permute` (transposes, permute, movedim), :mod:`.split` (split, chunk, unbind),
-:mod:`.concat` (cat, stack, hstack, vstack), :mod:`.repeat` (expand, repeat, tile),
-:mod:`.squeeze` (squeeze, unsqueeze) and :mod:`.slicing` (narrow, select, roll, flip,
+"""Shape ops, by sub-family: `reshape` (view, reshape, flatten, unflatten),
+`permute` (transposes, permute, movedim), `split` (split, chunk, unbind),
+`concat` (cat, stack, hstack, vstack), `repeat` (expand, repeat, tile),
+`squeeze` (squeeze, unsqueeze) and `slicing` (narrow, select, roll, flip,
 unfold, diagonal).
 
 Common to all of them: dims whose output size is not a share of an input dim (split
@@ -33,6 +33,6 @@ SUBFAMILIES = (reshape, permute, split, concat, repeat, squeeze, slicing)
 
 
 def register(registry: OpRegistry) -> None:
-    """Register every shape op (each sub-family in :data:`SUBFAMILIES` order)."""
+    """Register every shape op (each sub-family in `SUBFAMILIES` order)."""
     for module in SUBFAMILIES:
         module.register(registry)

@@ -1,7 +1,7 @@
 """Lists of tensors: cat / stack / hstack / vstack.
 
 The calling convention gives one annotation entry per parameter, and a list is one
-parameter. These ops are registered with a :class:`TensorListSignature` that binds
+parameter. These ops are registered with a `TensorListSignature` that binds
 ``torch.cat([x, y], dim=1)`` as ``cat(x, y, dim=1)``: one annotated input per element. The
 op's ``fn`` is then a small function of this module taking the tensors as separate
 arguments (``cat(*tensors, dim=0)``); ``torch.cat`` and its spellings are aliases that the
@@ -36,7 +36,7 @@ class TensorListSignature(inspect.Signature):
     The registry's calling convention annotates the first parameters of a signature, one
     entry each; a list of tensors is one parameter. This signature's parameters are
     ``t0 ... t{max_len-1}`` (positional-only) followed by the rest of the op's parameters
-    (keyword-only), and its :meth:`bind` spreads the list over them, so that the
+    (keyword-only), and its `bind` spreads the list over them, so that the
     annotation can have one entry per tensor of the list. The op's ``fn`` takes the
     tensors as separate arguments.
     """
