@@ -22,7 +22,8 @@ from nnscaler_ops_flash_attn import (
 )
 from nnscaler_ops_flash_attn.annotations import gen_flash_attn_segmented_func
 
-RTOL, ATOL = 1e-5, 1e-5
+# float32 results against the float64 definition: the project's parity tolerance
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def reference(
