@@ -88,10 +88,12 @@ def ensure_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
     """Create, in list order, every group of ``rank_tuples`` not created yet.
 
     Collective: every rank must call it with the same list (same groups, same order).
-    Duplicates (in any rank order) are created once.
+    Duplicates (in any rank order) are created once. When it returns on any rank, every
+    new group is connected on all of its members (it ends with a barrier of the world).
     """
     keys = [group_key(ranks) for ranks in rank_tuples]
     world_size = _world_size()
+    connected = False
     for key in keys:
         if key in _cache:
             continue
@@ -102,7 +104,14 @@ def ensure_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
         else:
             # the bound init_distributed set (None: torch's default)
             _cache[key] = dist.new_group(list(key), timeout=collective_timeout())
+            connected = True
         _order.append(key)
+    if connected:
+        # new_group can return on one member before another has finished its handshake
+        # with it (gloo); a member that then tore the group down (it had nothing left to
+        # do) would fail the other's connection. Every rank creates the same groups, so
+        # every rank takes this barrier: past it, every group is connected everywhere.
+        dist.barrier()
 
 
 def get_group(ranks: Iterable[int], *, create: bool = False) -> Any:

@@ -3,6 +3,7 @@ profile of an op too large to run, plans for a named device, plots."""
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 from hypothesis import given
@@ -132,13 +133,31 @@ def _linear_graph(n: int) -> IRGraph:
     return IRGraph.from_graph(trace(model, {"input": torch.randn(64, n)}))
 
 
-def test_an_op_too_large_is_timed_on_a_part(tmp_path):
+def test_an_op_too_large_is_timed_on_a_part(tmp_path, monkeypatch):
+    """A part 1/m of the op is run and its time multiplied by m. The clock is replaced
+    by the linear's multiply-adds (1 ns each) so the check is exact on any machine."""
+    from nnscaler_policy_autodist import profile
+
+    ran = []
+
+    def fake_run(job):
+        x, w = job.args[0], job.args[1]
+        ran.append((x.shape, w.shape))
+        macs = math.prod(x.shape) * w.shape[0]
+        return macs * 1e-9, 2 * macs * 1e-9
+
+    monkeypatch.setattr(profile, "run_job", fake_run)
     op = _linear_graph(256).select(name="linear")[0]
     whole = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path).time(op, None, 1)
+    assert ran == [((64, 256), (256, 256))]
+    assert whole == pytest.approx((64 * 256 * 256e-9, 2 * 64 * 256 * 256e-9))
+
+    # 64 + 256 + 64 KiB of tensors, 64 KiB allowed: split in 8 along a dim the output keeps
     shrunk = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path / "small", max_bytes=64 * 1024)
     scaled = shrunk.time(op, None, 1)
-    # the same order of magnitude, never run whole (its tensors exceed max_bytes)
-    assert 0.1 < sum(scaled) / sum(whole) < 10
+    (x, w), = ran[1:]
+    assert math.prod(x) * w[0] == 64 * 256 * 256 // 8  # an eighth of the work ran
+    assert scaled == pytest.approx(whole)  # and counts eight times
     assert shrunk.profiled == 1
 
 
