@@ -29,7 +29,7 @@ from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.file_parts import DeviceCode, Wrapped, header, program_attributes
 from nnscaler.codegen.layouts import relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
-from nnscaler.codegen.program import AdapterSpec, OpStep, Program
+from nnscaler.codegen.program_types import AdapterSpec, OpStep, Program
 from nnscaler.codegen.stage_writer import StageWriter
 from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import attrs
 
 from nnscaler.codegen.literals import literal
-from nnscaler.codegen.program import AdapterSpec, Program
+from nnscaler.codegen.program_types import AdapterSpec, Program
 from nnscaler.codegen.wrap import WIDTH as _WIDTH
 from nnscaler.codegen.wrap import wrap_lines
 

@@ -18,7 +18,7 @@ from nnscaler.ir import TensorKind
 from nnscaler.runtime import plan_groups, zero_groups
 
 if TYPE_CHECKING:
-    from nnscaler.codegen.program import Program
+    from nnscaler.codegen.program_types import Program
 
 
 def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

@@ -38,7 +38,7 @@ from nnscaler.layout import Layout
 from nnscaler.schedule import Action, ScheduleError, get_schedule, simulate
 
 if TYPE_CHECKING:
-    from nnscaler.codegen.program import OpStep
+    from nnscaler.codegen.program_types import OpStep
 
 __all__ = [
     "PipelinePlan",
