@@ -181,32 +181,48 @@ class ReducerConfig:
     the runtime and ``build_optimizer``).
 
     Args:
-        use_zero: shard optimizer state over the replicas (ZeRO stage 1).
+        use_zero: shard over the replicas (ZeRO stage 1 or more; ``zero_stage`` says which).
         zero_ngroups: ZeRO groups the replicas are split into.
         async_op: overlap the reduction with backward.
         bucket_cap_mb: bucket size in MiB (the default when the config says None).
+        zero_stage: 0 (no sharding), 1 (optimizer state), 2 (and gradients); None
+            follows ``use_zero``; see ``docs/zero.md``.
     """
 
     use_zero: bool = False
     zero_ngroups: int = 1
     async_op: bool = False
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    zero_stage: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.zero_stage is None:  # follows use_zero, as in ComputeConfig
+            object.__setattr__(self, "zero_stage", int(self.use_zero))
+        if self.use_zero != (self.zero_stage >= 1):
+            raise ComputeConfigError(
+                f"ReducerConfig: use_zero={self.use_zero} disagrees with "
+                f"zero_stage={self.zero_stage}; use_zero is True exactly for stage 1 or more"
+            )
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ReducerConfig:
         """The inverse of `as_options` (a generated class's ``reducer_config``);
         missing keys and a None bucket size take the defaults."""
         cap = options.get("reducer_bucket_cap_mb")
-        return cls(use_zero=bool(options.get("use_zero", False)),
+        use_zero = bool(options.get("use_zero", False))
+        stage = options.get("zero_stage")
+        return cls(use_zero=use_zero,
                    zero_ngroups=int(options.get("zero_ngroups", 1)),
                    async_op=bool(options.get("use_async_reducer", False)),
-                   bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else float(cap))
+                   bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else float(cap),
+                   zero_stage=None if stage is None else int(stage))
 
     def as_options(self) -> dict[str, Any]:
         """The reducer options under their ``ComputeConfig`` names (what generated code
         and ``config.json`` spell)."""
         return {"use_zero": self.use_zero, "zero_ngroups": self.zero_ngroups,
-                "use_async_reducer": self.async_op, "reducer_bucket_cap_mb": self.bucket_cap_mb}
+                "use_async_reducer": self.async_op, "reducer_bucket_cap_mb": self.bucket_cap_mb,
+                "zero_stage": self.zero_stage}
 
 
 @dataclass(frozen=True)
@@ -261,6 +277,19 @@ def _bucket_cap(name: str, value: Any) -> None:
         )
 
 
+#: The ZeRO stages ``ComputeConfig.zero_stage`` accepts (``docs/zero.md``).
+ZERO_STAGES = (0, 1, 2)
+
+
+def _zero_stage(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or value not in ZERO_STAGES):
+        raise ComputeConfigError(
+            f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or None (follow "
+            f"use_zero), got {value!r}: 0 shards nothing, 1 the optimizer state, 2 the "
+            f"gradients too"
+        )
+
+
 def _mapping(name: str, value: Any) -> None:
     if not isinstance(value, Mapping):
         raise ComputeConfigError(
@@ -298,6 +327,11 @@ class ComputeConfig:
         use_zero: shard optimizer state (ZeRO stage 1) over the data-parallel replicas.
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
+        zero_stage: how much is sharded over the replicas: 0 nothing, 1 the optimizer
+            state, 2 the gradients too (``docs/zero.md``). None (the default) follows
+            ``use_zero`` (stage 1 when True, else 0); a stage given decides, and
+            ``use_zero`` becomes True for stage 1 or more; ``use_zero=True, zero_stage=0``
+            disagree and are refused. The stage in effect is ``reducer.zero_stage``.
         use_end2end: the module returns its loss first; train with ``train_step``.
         inference_only: generate code for inference only (no gradient reducers).
         constant_folding: kept for nnScaler compatibility (recorded, compared for reuse):
@@ -325,6 +359,7 @@ class ComputeConfig:
     _: KW_ONLY
     use_zero: bool = field(default=False, metadata=_check(_bool))
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
+    zero_stage: int | None = field(default=None, metadata=_check(_zero_stage))
     use_end2end: bool = field(default=False, metadata=_check(_bool))
     inference_only: bool = field(default=False, metadata=_check(_bool))
     constant_folding: bool = field(default=True, metadata=_check(_bool))
@@ -351,6 +386,7 @@ class ComputeConfig:
                 f"runtime_ngpus={self.runtime_ngpus}, plan_ngpus={self.plan_ngpus}; use a "
                 f"multiple such as {_near_multiples(self.runtime_ngpus, self.plan_ngpus)}"
             )
+        self._settle_zero_stage()
         units = self.scale_units
         if not self.use_zero and self.zero_ngroups != 1:
             raise ComputeConfigError(
@@ -367,6 +403,19 @@ class ComputeConfig:
             )
         object.__setattr__(self, "_pipeline", PipelineConfig.from_pas_config(self.pas_config))
 
+    def _settle_zero_stage(self) -> None:
+        """Make ``use_zero`` and ``zero_stage`` one answer (see the class docstring)."""
+        if self.zero_stage is None:
+            return
+        if self.use_zero and self.zero_stage == 0:
+            raise ComputeConfigError(
+                f"ComputeConfig: use_zero=True (ZeRO stage 1) disagrees with zero_stage=0 (no "
+                f"sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False "
+                f"to not shard"
+            )
+        else:
+            object.__setattr__(self, "use_zero", self.zero_stage >= 1)
+
     # -- the typed parts ----------------------------------------------------------------
     @property
     def pipeline(self) -> PipelineConfig:
@@ -378,7 +427,8 @@ class ComputeConfig:
     def reducer(self) -> ReducerConfig:
         """The gradient reducer's options, with the default bucket size filled in."""
         return ReducerConfig(use_zero=self.use_zero, zero_ngroups=self.zero_ngroups,
-                             async_op=self.use_async_reducer, bucket_cap_mb=self.bucket_cap_mb)
+                             async_op=self.use_async_reducer, bucket_cap_mb=self.bucket_cap_mb,
+                             zero_stage=self.zero_stage)  # None: follows use_zero
 
     @property
     def tracing(self) -> TracingConfig:

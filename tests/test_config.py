@@ -30,6 +30,7 @@ SURFACE = [
     ("runtime_ngpus", dataclasses.MISSING),
     ("use_zero", False),
     ("zero_ngroups", 1),
+    ("zero_stage", None),
     ("use_end2end", False),
     ("inference_only", False),
     ("constant_folding", True),
@@ -91,6 +92,40 @@ def test_typed_parts_are_defaulted_once():
     assert ReducerConfig.from_options(cfg.reducer.as_options()) == cfg.reducer
     assert ReducerConfig.from_options({}) == ReducerConfig()
     assert ComputeConfig(1, 1).pipeline == PipelineConfig(nmicros=None, scheduler="1f1b")
+
+
+@pytest.mark.parametrize(("kwargs", "use_zero", "stage"), [
+    ({}, False, 0),
+    ({"use_zero": True}, True, 1),  # as in nnScaler: use_zero is stage 1
+    ({"zero_stage": 0}, False, 0),
+    ({"zero_stage": 1}, True, 1),
+    ({"zero_stage": 2}, True, 2),
+    ({"use_zero": True, "zero_stage": 2, "zero_ngroups": 2}, True, 2),
+])
+def test_zero_stage_and_use_zero_are_one_answer(kwargs, use_zero, stage):
+    cfg = ComputeConfig(1, 4, **kwargs)
+    assert (cfg.use_zero, cfg.zero_stage) == (use_zero, kwargs.get("zero_stage"))
+    assert (cfg.reducer.use_zero, cfg.reducer.zero_stage) == (use_zero, stage)
+    assert ReducerConfig.from_options(cfg.reducer.as_options()) == cfg.reducer
+    again = ComputeConfig.from_dict(json.loads(cfg.to_json()))
+    assert again == cfg and again.to_json() == cfg.to_json()
+
+
+def test_zero_stage_disagreeing_with_use_zero_is_refused():
+    with pytest.raises(ComputeConfigError,
+                       match=r"use_zero=True .* disagrees with zero_stage=0.*zero_stage=1"):
+        ComputeConfig(1, 2, use_zero=True, zero_stage=0)
+    cfg = ComputeConfig(1, 2, zero_stage=2)
+    with pytest.raises(ComputeConfigError, match="disagrees"):
+        dataclasses.replace(cfg, zero_stage=0)  # use_zero=True was set from stage 2
+    assert dataclasses.replace(cfg, use_zero=False, zero_stage=0).reducer.zero_stage == 0
+    # use_zero alone keeps nnScaler's meaning, replaced or not
+    assert dataclasses.replace(ComputeConfig(1, 2, use_zero=True),
+                               use_zero=False).reducer.zero_stage == 0
+    # a generated file of before zero_stage spells only use_zero
+    assert ReducerConfig.from_options({"use_zero": True}).zero_stage == 1
+    with pytest.raises(ComputeConfigError, match="disagrees"):
+        ReducerConfig(use_zero=False, zero_stage=2)
 
 
 @pytest.mark.parametrize(("pas", "message"), [
@@ -155,6 +190,8 @@ def test_json_round_trip_is_stable():
         ({"plan_ngpus": 2, "runtime_ngpus": 3}, "multiple of plan_ngpus.*2 or 4"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "use_zero": 1}, "use_zero must be True or False"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "zero_ngroups": 2}, "only applies with use_zero"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2\]"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": True}, "zero_stage must be one of"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "use_zero": True, "zero_ngroups": 3},
          r"divide the number of scale units.*\[1, 2, 4\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 1, "trace_strategy": "cuda"}, "'real', 'meta'"),

@@ -260,7 +260,7 @@ def _reducers(module: torch.nn.Module, pms: Sequence[ParallelModule], np_cfg: Co
         reducer = Reducer(
             rest, np_cfg.replica_ranks(rank), bucket_cap_mb=np_cfg.bucket_cap_mb,
             async_op=np_cfg.use_async_reducer, zero=np_cfg.use_zero,
-            zero_ngroups=np_cfg.zero_ngroups,
+            zero_ngroups=np_cfg.zero_ngroups, zero_stage=np_cfg.reducer.zero_stage,
         )
         # replicated on every device of a scale unit, summed across units
         copies.update((id(p), n) for p, n in _reducer_copies(reducer, np_cfg.plan_ngpus))

@@ -274,6 +274,7 @@ class ParallelModule(torch.nn.Module):
     def _build_reducers(self) -> None:
         cfg = ReducerConfig.from_options(self.reducer_config)
         zero, ngroups, async_op, cap = cfg.use_zero, cfg.zero_ngroups, cfg.async_op, cfg.bucket_cap_mb
+        async_op = async_op or cfg.zero_stage >= 2  # stage 2 reduces from gradient hooks
         by_holders: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for attr, meta in self.fullmap.items():
             p = getattr(self, attr)
@@ -293,6 +294,7 @@ class ParallelModule(torch.nn.Module):
             self._reducers.append(Reducer(
                 params, holders, bucket_cap_mb=cap, async_op=async_op, zero=zero,
                 zero_ngroups=ngroups if len(holders) > 1 else 1, process_group=group,
+                zero_stage=cfg.zero_stage,
             ))
 
     # -- the optimizer's view -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Gradient synchronization of data-parallel replicas, with optional ZeRO stage 1.
+"""Gradient synchronization of data-parallel replicas, with optional ZeRO stage 1 or 2.
 
 A `Reducer` owns parameters that are replicated on every rank of ``ranks``. Their
 gradients live in flat per-bucket buffers (``param.grad`` is a view into the buffer), so a
@@ -16,7 +16,12 @@ Typical step::
     optimizer.step()          # optimizer built over reducer.parameters_for_optimizer()
     reducer.gather_params()   # no-op without zero
 
-See docs/reducer.md.
+ZeRO stage 2 (``zero_stage=2``) keeps no gradient buffer: as soon as backward has
+produced every gradient of a bucket, the bucket is packed into a transient flat tensor,
+reduce-scattered (asynchronously) and added to this rank's fp32 shard gradient; the
+parameters' ``.grad`` go back to None. It reduces after every backward, ``no_sync`` or
+not (holding the micro-batches' sum would hold the full gradient). See docs/reducer.md
+and docs/zero.md.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ class Bucket:
     """A group of same-dtype parameters whose gradients share one flat buffer."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], nshards: int, shard_index: int, zero: bool
+        self, params: list[torch.nn.Parameter], nshards: int, shard_index: int, zero: bool,
+        stage: int | None = None,
     ):
         self.params = params
+        self.stage = (1 if zero else 0) if stage is None else stage
         self.offsets: list[int] = []
         numel = 0
         for p in params:
@@ -59,7 +66,10 @@ class Bucket:
         self.padded_numel = padded_numel(numel, self.nshards)
         self.shard_numel = self.padded_numel // self.nshards
         dtype, device = params[0].dtype, params[0].device
-        self.grad_buffer = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        # stage 2 keeps no full gradient: the buffer is empty and a transient one is packed
+        # at each launch (`pack_grads`)
+        self.grad_buffer = torch.zeros(0 if self.stage >= 2 else self.padded_numel,
+                                       dtype=dtype, device=device)
         self.param_buffer: torch.Tensor | None = None
         self.shard_param: torch.nn.Parameter | None = None
         if zero:
@@ -80,6 +90,7 @@ class Bucket:
         self.work: Any = None
         self.launched = False
         self.shard_out: torch.Tensor | None = None  # zero: reduced gradient shard in flight
+        self.packed: torch.Tensor | None = None  # stage 2: the flat gradient being reduced
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -95,7 +106,11 @@ class Bucket:
         return self._views(self.param_buffer)
 
     def attach_grads(self) -> None:
-        """Make every ``param.grad`` the view of the bucket buffer."""
+        """Make every ``param.grad`` the view of the bucket buffer (stage 2: None)."""
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+            return
         for p, view in zip(self.params, self.grad_views()):
             p.grad = view
 
@@ -123,6 +138,17 @@ class Bucket:
         for i, view in enumerate(self.grad_views()):
             self.adopt_grad(i, view)
 
+    def pack_grads(self) -> torch.Tensor:
+        """Stage 2: the parameters' gradients in one new flat tensor (zero where a
+        gradient is None); the parameters' ``.grad`` become None."""
+        flat = torch.zeros(self.padded_numel, dtype=self.params[0].dtype,
+                           device=self.params[0].device)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return flat
+
     def shard_slice(self, buffer: torch.Tensor) -> torch.Tensor:
         lo = self.shard_index * self.shard_numel
         return buffer[lo : lo + self.shard_numel]
@@ -145,6 +171,9 @@ class Reducer:
             `no_sync`.
         zero: shard the optimizer state (ZeRO stage 1): use `parameters_for_optimizer`
             to build the optimizer and call `gather_params` after ``step()``.
+        zero_stage: with ``zero``, 1 (the default) or 2: the gradients are sharded too,
+            reduce-scattered as each bucket's gradients are produced (the module
+            docstring).
         zero_ngroups: split ``ranks`` into this many groups; state is sharded within a group
             and replicated across groups.
         process_group: group over ``ranks`` (created when None).
@@ -160,6 +189,7 @@ class Reducer:
         zero: bool = False,
         zero_ngroups: int = 1,
         process_group: dist.ProcessGroup | None = None,
+        zero_stage: int | None = None,
     ):
         self.ranks = tuple(sorted(ranks))
         if not self.ranks:
@@ -176,7 +206,14 @@ class Reducer:
                 "create a Reducer only on its member ranks"
             )
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self.async_op = async_op
+        stage = (1 if zero else 0) if zero_stage is None else int(zero_stage)
+        if stage not in (0, 1, 2) or (stage >= 1) != bool(zero):
+            raise ValueError(
+                f"zero_stage must be 0 without zero and 1 or 2 with it, got zero={zero}, "
+                f"zero_stage={zero_stage}; pass zero=True, zero_stage=2 for stage 2"
+            )
+        self.stage = stage
+        self.async_op = async_op or stage >= 2  # stage 2 launches from gradient hooks
         self.zero = zero
         self.zero_ngroups = zero_ngroups
         self._pre_hooks: list[ReducerHook] = []
@@ -211,8 +248,10 @@ class Reducer:
             for pi, p in enumerate(b.params):
                 self._where[id(p)] = (bi, pi)
         self._handles = []
+        self._in_flight: list[Bucket] = []  # stage 2: launched, not finished, in order
+        self._round_open = False  # stage 2: a backward produced gradients not all launched
         track_reducer(self)  # finished and released at interpreter exit
-        if async_op:
+        if self.async_op:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -224,7 +263,7 @@ class Reducer:
 
         def close(key: tuple[torch.dtype, torch.device]) -> None:
             ps, _ = open_.pop(key)
-            buckets.append(Bucket(ps, nshards, shard_index, self.zero))
+            buckets.append(Bucket(ps, nshards, shard_index, self.zero, self.stage))
 
         for p in reversed(self.params):
             key = (p.dtype, p.device)
@@ -264,6 +303,9 @@ class Reducer:
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bi, pi = self._where[id(p)]
         bucket = self.buckets[bi]
+        if self.stage >= 2:
+            self._stage2_ready(bucket, pi)
+            return
         if bucket.launched:
             raise RuntimeError(
                 "a gradient was accumulated into a bucket whose reduction was already launched "
@@ -281,8 +323,28 @@ class Reducer:
             self._launch(self.buckets[self._next_launch], async_op=True)
             self._next_launch += 1
 
+    def _stage2_ready(self, bucket: Bucket, pi: int) -> None:
+        """Stage 2: a gradient is complete; launch every bucket, in order, whose
+        gradients all are (``no_sync`` does not delay it), and finish all but the newest
+        launch so that at most two transient buffers live."""
+        bucket.ready.add(pi)
+        self._round_open = True
+        while self._next_launch < len(self.buckets) and len(
+            self.buckets[self._next_launch].ready
+        ) == len(self.buckets[self._next_launch].params):
+            self._launch(self.buckets[self._next_launch], async_op=True)
+            self._next_launch += 1
+            while len(self._in_flight) > 1:
+                self._finish(self._in_flight[0])
+        if self._next_launch == len(self.buckets):  # the next backward starts a new round
+            self._next_launch = 0
+            self._round_open = False
+
     # ------------------------------------------------------------------ communication
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        if self.stage >= 2:
+            self._launch_stage2(bucket, async_op)
+            return
         bucket.adopt_all()
         for fn in self._pre_hooks:
             fn(bucket.grad_buffer)
@@ -304,7 +366,70 @@ class Reducer:
             out.copy_(bucket.grad_buffer)
         bucket.shard_out = out
 
+    def _launch_stage2(self, bucket: Bucket, async_op: bool) -> None:
+        if bucket.launched:  # still reducing the previous backward's gradients
+            self._finish_stage2(bucket)
+        flat = bucket.pack_grads()
+        for fn in self._pre_hooks:
+            fn(flat)
+        bucket.launched = True
+        bucket.ready.clear()
+        out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+        if self._zero_group is not None:
+            bucket.work = dist.reduce_scatter_single(
+                out, flat, group=self._zero_group, async_op=async_op
+            )
+        else:
+            out.copy_(flat)
+        bucket.shard_out = out
+        bucket.packed = flat  # kept alive until the collective is done
+        self._in_flight.append(bucket)
+
+    def _finish_stage2(self, bucket: Bucket) -> None:
+        """Add a launched bucket's reduced shard to the shard gradient (fp32)."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        out, bucket.shard_out, bucket.packed = bucket.shard_out, None, None
+        if out is None or bucket.shard_param is None:
+            raise RuntimeError("internal error: zero bucket finished without a launched shard")
+        out = out.float()
+        if bucket.shard_param.grad is None:
+            bucket.shard_param.grad = out
+        else:
+            bucket.shard_param.grad.add_(out)
+        bucket.launched = False
+        self._in_flight.remove(bucket)
+
+    def _sync_stage2(self) -> None:
+        """Stage 2's `sync_grads`: launch what backward left (buckets with a gradient
+        that was not produced), finish everything, then sum the shards across ZeRO
+        groups once and run the post hooks on the shard gradients."""
+        while self._in_flight:
+            self._finish_stage2(self._in_flight[0])
+        if self._round_open:  # the same buckets on every rank: the program is the same
+            for bucket in self.buckets[self._next_launch :]:
+                self._launch(bucket, async_op=False)
+        while self._in_flight:
+            self._finish_stage2(self._in_flight[0])
+        for bucket in self.buckets:
+            if bucket.shard_param is None:
+                raise RuntimeError("internal error: a stage-2 bucket without a shard")
+            if bucket.shard_param.grad is None:
+                bucket.shard_param.grad = torch.zeros_like(bucket.shard_param)
+            grad = bucket.shard_param.grad
+            if self._cross_group is not None:
+                dist.all_reduce(grad, group=self._cross_group)
+            for fn in self._post_hooks:
+                fn(grad)
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._round_open = False
+
     def _finish(self, bucket: Bucket) -> None:
+        if self.stage >= 2:
+            self._finish_stage2(bucket)
+            return
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
@@ -329,8 +454,12 @@ class Reducer:
 
         Afterwards every ``param.grad`` holds the sum over all ranks and micro-batches since
         the last `zero_grad`; with zero, each shard parameter's ``.grad`` holds this
-        rank's shard of that sum (``param.grad`` of the full parameters is then unreduced).
+        rank's shard of that sum (``param.grad`` of the full parameters is then unreduced;
+        None with stage 2).
         """
+        if self.stage >= 2:
+            self._sync_stage2()
+            return
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket, async_op=False)
@@ -340,6 +469,11 @@ class Reducer:
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer and re-attach ``param.grad`` views (and shard grads)."""
+        if self.stage >= 2:
+            self.wait_pending()  # a launch nobody synced: drop its result
+            for bucket in list(self._in_flight):
+                bucket.work = None
+                self._finish_stage2(bucket)
         for bucket in self.buckets:
             if bucket.launched:
                 raise RuntimeError(
@@ -351,6 +485,7 @@ class Reducer:
             if bucket.shard_param is not None:
                 bucket.shard_param.grad = None
         self._next_launch = 0
+        self._round_open = False
 
     # ------------------------------------------------------------------ optimizer API
     def parameters_for_optimizer(self) -> list[torch.nn.Parameter]:
@@ -414,5 +549,6 @@ class Reducer:
     def __repr__(self) -> str:
         return (
             f"Reducer(ranks={list(self.ranks)}, params={len(self.params)}, buckets={len(self.buckets)}, "
-            f"async_op={self.async_op}, zero={self.zero}, zero_ngroups={self.zero_ngroups})"
+            f"async_op={self.async_op}, zero={self.zero}, zero_ngroups={self.zero_ngroups}, "
+            f"zero_stage={self.stage})"
         )

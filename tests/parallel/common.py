@@ -50,9 +50,11 @@ def samples(kind: str, steps: int, units: int, micro: int) -> list[list[list[dic
 
 def reference_train(model: nn.Module, data: list[list[list[dict]]],
                     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                    grads: dict[str, torch.Tensor] | None = None,
                     ) -> tuple[list[list[list[float]]], dict[str, torch.Tensor]]:
     """One process sees every unit's micro-batches: gradients summed over all of them, one
-    Adam step per step. Returns ``losses[step][unit][micro]`` and the final state."""
+    Adam step per step. Returns ``losses[step][unit][micro]`` and the final state; fills
+    ``grads`` (when given) with the last step's gradients by parameter name."""
     loss_fn = loss_fn or (lambda m, b: m(b))
     opt = torch.optim.Adam(model.parameters(), **ADAM)
     losses = []
@@ -66,6 +68,9 @@ def reference_train(model: nn.Module, data: list[list[list[dict]]],
                 loss.backward()
                 row.append(loss.item())
             per_unit.append(row)
+        if grads is not None:
+            grads.update({n: p.grad.detach().clone() for n, p in
+                          model.named_parameters(remove_duplicate=False) if p.grad is not None})
         opt.step()
         losses.append(per_unit)
     state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=False).items()}
@@ -103,6 +108,8 @@ class Case:
     end2end: bool = False
     micro: int = 1
     steps: int = 3
+    zero_stage: int | None = None
+    zero_ngroups: int = 1
 
     @property
     def units(self) -> int:
@@ -111,19 +118,29 @@ class Case:
     def id(self) -> str:
         flags = [f for f, on in (("zero", self.use_zero), ("async", self.use_async_reducer),
                                  ("e2e", self.end2end)) if on]
+        if self.zero_stage is not None:
+            flags.append(f"zero{self.zero_stage}")
+        if self.zero_ngroups != 1:
+            flags.append(f"ng{self.zero_ngroups}")
         return (f"{self.kind}-{self.policy}-p{self.plan_ngpus}r{self.runtime_ngpus}"
                 + ("-" + "-".join(flags) if flags else "") + f"-mb{self.micro}")
+
+    def compute_config(self) -> Any:
+        from nnscaler import ComputeConfig
+
+        return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus,
+                             use_zero=self.use_zero, use_async_reducer=self.use_async_reducer,
+                             use_end2end=self.end2end, zero_stage=self.zero_stage,
+                             zero_ngroups=self.zero_ngroups)
 
 
 def train_parallel(case: Case, rank: int, gen_savedir: str) -> dict[str, Any]:
     """Run ``case`` on this rank; compare with the reference computed here too."""
-    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    from nnscaler import build_optimizer, parallelize
 
     data = samples(case.kind, case.steps, case.units, case.micro)
     ref_losses, ref_state = reference_train(make_model(case.kind), data)
-    cfg = ComputeConfig(plan_ngpus=case.plan_ngpus, runtime_ngpus=case.runtime_ngpus,
-                        use_zero=case.use_zero, use_async_reducer=case.use_async_reducer,
-                        use_end2end=case.end2end)
+    cfg = case.compute_config()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = parallelize(make_model(case.kind), {"batch": data[0][0][0]}, case.policy, cfg,

@@ -1,4 +1,5 @@
-"""ZeRO stage 1: sharded Adam state gives the same training as plain data parallelism."""
+"""ZeRO stages 1 and 2: sharded Adam state (and, stage 2, sharded gradients) give the same
+training as plain data parallelism."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def _train(rank: int, world: int, zero: bool, ngroups: int, async_op: bool, cap_mb: float) -> dict:
+def _train(rank: int, world: int, zero: bool, ngroups: int, async_op: bool, cap_mb: float,
+           stage: int | None = None) -> dict:
     model = make_mlp()
+    peak_grad = 0
     reducer = Reducer(
         model.parameters(),
         [3, 1, 0, 2] if world == 4 and async_op else list(range(world)),  # any order
@@ -32,6 +35,7 @@ def _train(rank: int, world: int, zero: bool, ngroups: int, async_op: bool, cap_
         async_op=async_op,
         zero=zero,
         zero_ngroups=ngroups,
+        zero_stage=stage,
     )
     opt = torch.optim.Adam(reducer.parameters_for_optimizer(), lr=LR)
     for step in range(NSTEPS):
@@ -40,12 +44,20 @@ def _train(rank: int, world: int, zero: bool, ngroups: int, async_op: bool, cap_
         with reducer.no_sync():
             loss_fn(model, *batch(rank, 2 * step)).backward()
         loss_fn(model, *batch(rank, 2 * step + 1)).backward()
+        # full-size gradients still held after backward (stage 2: those of buckets not
+        # launched yet; the rest were reduce-scattered from the hooks and freed)
+        peak_grad = max(peak_grad, sum(p.grad.numel() for p in model.parameters()
+                                       if p.grad is not None and stage == 2))
         reducer.sync_grads()
         opt.step()
         reducer.gather_params()
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "state_bytes": state_bytes(opt),
+        "grad_buffer_numel": sum(b.grad_buffer.numel() for b in reducer.buckets),
+        "held_grads": peak_grad,
+        "shard_grad_numel": sum(s.grad.numel() for s in reducer.parameters_for_optimizer()
+                                if zero and s.grad is not None),
     }
 
 
@@ -77,6 +89,47 @@ def test_zero_matches_plain_data_parallel(world: int, ngroups: int, async_op: bo
     for res in plain + sharded:
         for p, r in zip(res["params"], ref):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("world", "ngroups", "cap_mb"),
+    [(4, 1, 100.0), (4, 2, 0.001), (2, 1, 1e-6), (4, 4, 0.001)],
+)
+def test_stage2_matches_plain_data_parallel(world: int, ngroups: int, cap_mb: float):
+    ref = reference_params(world)
+    sharded = run_distributed(_train, world, True, ngroups, False, cap_mb, 2)
+    nparams = sum(r.numel() for r in ref)
+    for res in sharded:
+        for p, r in zip(res["params"], ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+        assert res["grad_buffer_numel"] == 0  # no full gradient buffer is kept
+        shards = world // ngroups
+        assert res["shard_grad_numel"] <= nparams // shards + 8 * shards
+        if cap_mb < 0.01:  # many small buckets: most were reduced during backward
+            assert res["held_grads"] < nparams // 2, (res["held_grads"], nparams)
+
+
+def test_stage_and_zero_must_agree():
+    with pytest.raises(ValueError, match="zero_stage must be 0 without zero"):
+        Reducer(make_mlp().parameters(), [0], zero=False, zero_stage=2)
+    with pytest.raises(ValueError, match="zero=True, zero_stage=2"):
+        Reducer(make_mlp().parameters(), [0], zero=True, zero_stage=3)
+
+
+def test_stage2_single_rank_keeps_no_full_gradient():
+    model = make_mlp()
+    reducer = Reducer(model.parameters(), [0], zero=True, zero_stage=2, bucket_cap_mb=1e-6)
+    (ref,) = [make_mlp()]
+    reducer.zero_grad()
+    for m in range(2):
+        with reducer.no_sync():  # stage 2 reduces anyway: it holds no full gradient
+            loss_fn(model, *batch(0, m)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        loss_fn(ref, *batch(0, m)).backward()
+    reducer.sync_grads()
+    got = torch.cat([s.grad for s in reducer.parameters_for_optimizer()])
+    want = torch.cat([p.grad.reshape(-1) for p in reversed(list(ref.parameters()))])
+    torch.testing.assert_close(got[: want.numel()], want, rtol=1e-6, atol=1e-7)
 
 
 def test_zero_halves_optimizer_state_on_two_ranks():
