@@ -108,12 +108,15 @@ def run_parallel(pm: Any, opt: torch.optim.Optimizer, data: list[list[dict[str, 
 def parallelize_net(policy: str, plan_ngpus: int, runtime_ngpus: int, gen_savedir: str,
                     *, use_zero: bool = False, init_params: bool = True,
                     pas_config: dict[str, Any] | None = None, end2end: bool = False,
-                    instance: str | None = None, model: nn.Module | None = None) -> Any:
+                    instance: str | None = None, model: nn.Module | None = None,
+                    zero_stage: int | None = None) -> Any:
     from nnscaler import ComputeConfig, parallelize
 
     cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus, use_zero=use_zero,
-                        pas_config=pas_config or {}, use_end2end=end2end)
-    name = instance or f"{policy}-p{plan_ngpus}r{runtime_ngpus}" + ("-zero" if use_zero else "")
+                        pas_config=pas_config or {}, use_end2end=end2end,
+                        zero_stage=zero_stage)
+    name = instance or (f"{policy}-p{plan_ngpus}r{runtime_ngpus}" + ("-zero" if use_zero else "")
+                        + (f"-zero{zero_stage}" if zero_stage else ""))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return parallelize(model if model is not None else make_model(),

@@ -150,3 +150,24 @@ def test_zero_shards_of_a_tp_dp_plan_merge(tmp_path):
     assert_state_close(merged, model.state_dict())
     assert_optimizer_close(merged_opt, opt.state_dict())
     assert os.listdir(tmp_path)  # generated code lives there
+
+
+def _train_zero2(rank, world, directory):
+    pm = parallelize_net("tp", 2, 4, directory, zero_stage=2)
+    opt = nnscaler.build_optimizer(pm, torch.optim.Adam, **ADAM)
+    losses = run_parallel(pm, opt, DATA2, rank)
+    return losses, pm.state_dict(), opt.state_dict()
+
+
+def test_zero_stage2_shards_of_a_tp_dp_plan_merge(tmp_path):
+    """Stage 2 saves what stage 1 saves (whole pieces, the optimizer's shards)."""
+    results = run_distributed(_train_zero2, 4, str(tmp_path))
+    ref_losses, model, opt = reference(DATA2)
+    for rank, (losses, _, _) in enumerate(results):
+        want = [[row[rank // 2]] for row in ref_losses]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5,
+                                   atol=1e-6)
+    assert any(d["kind"] == "zero" for d in results[0][1]["_extra_state"]["optimizer"])
+    merged, merged_opt = ck.merge_state_dicts([r[1] for r in results], [r[2] for r in results])
+    assert_state_close(merged, model.state_dict())
+    assert_optimizer_close(merged_opt, opt.state_dict())
