@@ -17,7 +17,9 @@ Three implementations stand behind the one interface:
 
 Gradients follow the exact-adjoint convention of the runtime
 (``docs/internals/parallel-runtime.md``): ``all_reduce(x, "sum")`` gives every part the
-sum, so each part's ``x`` receives the sum of the gradients of every part's result.
+sum, so each part's ``x`` receives the sum of the gradients of every part's result;
+``send_recv`` (point to point: a ring shift, a permutation of pieces) sends each gradient
+back the way its value came.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "PartGroup",
     "PartGroupError",
     "ThreadPartGroup",
+    "check_peers",
     "check_reduce_op",
     "run_parts",
 ]
@@ -66,6 +69,16 @@ class PartGroup:
         Every part calls it, with tensors of one shape, in the same order."""
         return x.unsqueeze(0)
 
+    def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        """Send ``x`` to part ``dst`` and return the tensor part ``src`` sent here.
+
+        Every part calls it at once, with tensors of one shape, and the ``dst`` of the
+        parts are a permutation of them (``dst = (index + 1) % size`` shifts a ring).
+        Differentiable: the gradient of the result goes back to ``src``, and ``x`` gets
+        the gradient of what ``dst`` received."""
+        check_peers(self, dst, src)
+        return x
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, size={self.size})"
 
@@ -73,6 +86,13 @@ class PartGroup:
 def check_reduce_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise PartGroupError(f"PartGroup.all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def check_peers(group: PartGroup, dst: int, src: int) -> None:
+    for what, peer in (("dst", dst), ("src", src)):
+        if not isinstance(peer, int) or not 0 <= peer < group.size:
+            raise PartGroupError(f"PartGroup.send_recv: {what} is a part index in "
+                                 f"[0, {group.size}); got {peer!r}")
 
 
 #: The group of an op that is not split.
@@ -101,18 +121,35 @@ class ThreadPartGroup(PartGroup):
         self.index = index
 
     def _exchange_values(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
+        return [v for v, _ in self._post((x, None), what)]
+
+    def _post(self, item: tuple[torch.Tensor, Any], what: str) -> list[tuple[torch.Tensor, Any]]:
+        x = item[0]
         ex = self._exchange
-        ex.slots[self.index] = x
+        ex.slots[self.index] = item
         try:
             ex.barrier.wait()
             values = list(ex.slots)
             ex.barrier.wait()  # everyone has read before the slots are reused
         except threading.BrokenBarrierError:
             raise PartGroupError("another part of the split failed") from None
-        if any(tuple(v.shape) != tuple(x.shape) for v in values):
+        if any(tuple(v.shape) != tuple(x.shape) for v, _ in values):
             raise PartGroupError(f"PartGroup.{what}: the parts passed tensors of shapes "
-                                 f"{[tuple(v.shape) for v in values]}; they must agree")
+                                 f"{[tuple(v.shape) for v, _ in values]}; they must agree")
         return values
+
+    def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        check_peers(self, dst, src)
+        values = self._post((x, dst), "send_recv")
+        if sorted(d for _, d in values) != list(range(self.size)):
+            raise PartGroupError(f"PartGroup.send_recv: the parts sent to parts "
+                                 f"{[d for _, d in values]}; each part must receive exactly "
+                                 f"one tensor (the dst of the parts a permutation)")
+        value, to = values[src]
+        if to != self.index:
+            raise PartGroupError(f"PartGroup.send_recv: part {self.index} receives from part "
+                                 f"{src}, which sent to part {to}")
+        return value  # one autograd graph: the gradient flows back to part src
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._exchange_values(x, "all_gather"))

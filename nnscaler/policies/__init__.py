@@ -4,7 +4,9 @@
 - ``data``: the batch split across the ``plan_ngpus`` devices of a unit;
 - ``tp``: tensor parallelism, each op split where the adapter costs say it pays;
 - ``pp``: pipeline parallelism, one stage per device of the scale unit;
-- ``hybrid``: pipeline stages, each split over its devices with tensor parallelism.
+- ``hybrid``: pipeline stages, each split over its devices with tensor parallelism;
+- ``sequence``: context parallelism, the sequence split across the devices of a unit
+  (ring or Ulysses attention).
 
 Each is a callable ``(graph, compute_config) -> graph`` that places every op instance and
 checks the plan with ``graph.check(plan_ngpus)``. `adapters`
@@ -18,6 +20,7 @@ from nnscaler.policies.batch_split import data
 from nnscaler.policies.common import PolicyError
 from nnscaler.policies.costs import AdapterCost, adapters, layout_of, total_cost
 from nnscaler.policies.pipeline import hybrid, pp
+from nnscaler.policies.sequence import sequence
 from nnscaler.policies.single_device import dp
 from nnscaler.policies.tensor_parallel import tp
 from nnscaler.registry import Registry
@@ -32,12 +35,14 @@ __all__ = [
     "hybrid",
     "layout_of",
     "pp",
+    "sequence",
     "total_cost",
     "tp",
 ]
 
 #: The policies this plugin registers, by name.
-BUILTIN_POLICIES = {"dp": dp, "data": data, "tp": tp, "pp": pp, "hybrid": hybrid}
+BUILTIN_POLICIES = {"dp": dp, "data": data, "tp": tp, "pp": pp, "hybrid": hybrid,
+                     "sequence": sequence}
 
 
 @hookimpl

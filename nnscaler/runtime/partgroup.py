@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nnscaler.anno.partgroup import PartGroup, check_reduce_op
+from nnscaler.anno.partgroup import PartGroup, check_peers, check_reduce_op
 from nnscaler.runtime.collectives import all_gather, all_reduce, this_rank
 from nnscaler.runtime.groups import get_group
 
@@ -49,5 +49,35 @@ class ProcessPartGroup(PartGroup):
         # each part's x gets the reduce-scatter of the gradients
         return all_gather(x.unsqueeze(0), self.ranks, 0, grad="exact")
 
+    def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        check_peers(self, dst, src)
+        if dst == self.index and src == self.index:
+            return x
+        return _SendRecv.apply(x, self.ranks[dst], self.ranks[src])
+
     def __repr__(self) -> str:
         return f"ProcessPartGroup(ranks={list(self.ranks)}, index={self.index})"
+
+
+def _exchange(x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+    """Send ``x`` to global rank ``dst`` while receiving its like from ``src``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    works = [dist.isend(x, dst), dist.irecv(out, src)]
+    for work in works:
+        work.wait()
+    return out
+
+
+class _SendRecv(torch.autograd.Function):
+    """Point to point between ranks; the adjoint sends the gradient back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.peers = (dst, src)
+        return _exchange(x, dst, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        dst, src = ctx.peers
+        return _exchange(grad, src, dst), None, None

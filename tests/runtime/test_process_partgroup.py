@@ -38,6 +38,10 @@ def _forward(group: PartGroup, k: int) -> list[tuple[str, torch.Tensor, torch.Te
     s = torch.tensor(float(p * 3 - 4), dtype=torch.float64, requires_grad=True)
     up = torch.arange(1.0, k + 1, dtype=torch.float64) * (p + 1)
     found.append(("gather 0-d", s, group.all_gather(s), up))  # the parts' values, a vector
+    x = xs[p].clone().requires_grad_(True)  # a ring shift: to the next part, from the last
+    found.append(("shift", x, group.send_recv(x, (p + 1) % k, (p - 1) % k), _data(k, 4)[p]))
+    x = xs[p].clone().requires_grad_(True)  # a permutation: swap pairs of parts
+    found.append(("swap", x, group.send_recv(x, p ^ 1, p ^ 1), _data(k, 5)[p]))
     return found
 
 
@@ -116,6 +120,9 @@ def test_process_part_group_matches_thread_part_group(world_size):
         # slot p of every part's vector, weighted (p + 1) * (q + 1) by part q
         want = float((p + 1) * sum(q + 1 for q in range(k)))
         assert torch.equal(r["gather 0-d grad"], torch.tensor(want, dtype=torch.float64))
+        assert torch.equal(r["shift"], xs[(p - 1) % k])  # the gradient comes back from p + 1
+        assert torch.equal(r["shift grad"], _data(k, 4)[(p + 1) % k])
+        assert torch.equal(r["swap"], xs[p ^ 1]) and torch.equal(r["swap grad"], _data(k, 5)[p ^ 1])
 
 
 def _single_and_errors(rank: int, world_size: int) -> list[str]:

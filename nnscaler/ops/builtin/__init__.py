@@ -23,6 +23,7 @@ FAMILIES: tuple[str, ...] = (
     "loss",
     "conv",
     "attention",
+    "context_parallel",
     "shape",
     "indexing",
 )

@@ -9,7 +9,10 @@
 - ``Ev`` splits: the output is ``P @ V``, column by column;
 - grouped-query attention (``enable_gqa=True``, ``Hq = Hk * r``): query head ``i`` reads
   key head ``i // r``, so the query heads are the hidden group ``(h r)`` and splitting
-  ``h`` splits the key/value heads and the matching blocks of query heads together.
+  ``h`` splits the key/value heads and the matching blocks of query heads together;
+- self-attention (``L == S``) also splits along the sequence, by the rules of
+  `nnscaler.ops.builtin.context_parallel`: the key's sequence dim (``idx=1``) for ring
+  attention (zigzag when causal), the value's (``idx=2``) for Ulysses.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nnscaler.ops.builtin._common import is_tensor, randint, tensor_str
+from nnscaler.ops.builtin.context_parallel import sequence_rules
 from nnscaler.ops.builtin.nn import f64
 from nnscaler.ops.registry import OpRegistry
 
@@ -110,4 +114,5 @@ def register(registry: OpRegistry) -> None:
     registry.register(
         F.scaled_dot_product_attention, sdpa_anno,
         name="torch.nn.functional.scaled_dot_product_attention", input_gen_fn=gen_sdpa,
+        transform_rules=sequence_rules,
     )

@@ -226,12 +226,16 @@ class CostModel:
         ``t`` (a rule whose ``part_op`` is collective, e.g. a cross-entropy split over
         its classes), forward and, where gradients flow, backward: each ``all_reduce``
         as one over the ``k`` parts, each ``all_gather`` as the all-reduce that moves as
-        many bytes (and its backward, a reduce-scatter, the same)."""
+        many bytes (and its backward, a reduce-scatter, the same), each ``send_recv`` (a
+        ring step) as the all-reduce that moves its bytes once over a link."""
         if t is None or t.part_op is None or k <= 1:
             return 0.0
         total = 0.0
         for call in self.profiler.collectives(op, t, k):
-            nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
+            if call.kind == "send_recv":  # an all-reduce moves 2(k-1)/k of its bytes
+                nbytes = call.nbytes * k / (2 * (k - 1))
+            else:
+                nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
             once = self.comm.allreduce_time(nbytes, k, bucketed=False)
             total += once * (2 if grads and call.backward else 1)
         return total

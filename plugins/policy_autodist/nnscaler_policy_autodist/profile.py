@@ -412,8 +412,8 @@ class ComputeProfiler:
 
 @attrs.frozen
 class PartCall:
-    """A collective one part of a split runs: ``kind`` (``'all_reduce'`` or
-    ``'all_gather'``), the bytes each part contributes, and whether its gradient is
+    """A collective one part of a split runs: ``kind`` (``'all_reduce'``,
+    ``'all_gather'`` or ``'send_recv'``), the bytes each part contributes, and whether its gradient is
     exchanged in backward too."""
 
     kind: str
@@ -442,6 +442,10 @@ class RecordingGroup(PartGroup):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._note("all_gather", x, True)
         return x.unsqueeze(0).expand(self.size, *x.shape)
+
+    def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
+        self._note("send_recv", x, True)
+        return x.clone()
 
 
 @attrs.frozen

@@ -1,0 +1,119 @@
+"""Attention over blocks of keys, merged by the log-sum-exp rule.
+
+The context-parallel strategies (`nnscaler.ops.builtin.context_parallel`) hold the
+sequence in pieces: a part's queries are one or more *segments* of the whole sequence, and
+the keys and values arrive block by block. `BlockAttention` attends a part's queries to
+one block at a time and keeps, per query segment, the running maximum ``m`` of the scores
+(a constant, detached), the sum ``den`` of ``exp(score - m)`` and the numerator
+``num = sum exp(score - m) * v``; merging a block rescales both by ``exp(m_old - m_new)``.
+The result ``num / den`` does not depend on ``m``, so the gradient taken through the
+merge with ``m`` held constant is exact.
+
+Positions are global: a segment ``(start, stop)`` covers the tokens ``start..stop-1`` of
+the whole sequence. Under causal masking (query ``i`` sees keys ``j <= i``, the top-left
+aligned mask of ``scaled_dot_product_attention`` with ``L == S``) a pair of segments is
+skipped when every key lies after every query, and computed without a mask when every key
+lies before every query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["BlockAttention", "Segment", "additive_mask"]
+
+#: global token range ``(start, stop)`` of a piece of the sequence
+Segment = tuple[int, int]
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``scaled_dot_product_attention``'s mask as scores to add: a boolean mask (``True``:
+    attend) becomes 0 / -inf; a float mask is added as it is."""
+    if mask is None or mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+class BlockAttention:
+    """One part's queries ``q`` (``(..., Lq, E)``, holding ``segments`` in that order),
+    attended block by block (`add`); `result` is the attention output.
+
+    ``mask`` is an additive mask whose rows are this part's query rows (or one row that
+    broadcasts) and whose columns are the whole sequence (or one column); ``repeat`` is the
+    grouped-query factor (query head ``i`` reads key head ``i // repeat``).
+    """
+
+    def __init__(self, q: torch.Tensor, segments: Sequence[Segment], *, scale: float,
+                 causal: bool, mask: torch.Tensor | None, repeat: int = 1) -> None:
+        self.q, self.segments, self.scale = q, list(segments), scale
+        self.causal, self.mask, self.repeat = causal, mask, repeat
+        self.acc: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = (
+            [None] * len(self.segments))
+        self.pairs = 0  # (query segment, key segment) products computed
+
+    def _rows(self) -> list[tuple[int, Segment]]:
+        out, off = [], 0
+        for seg in self.segments:
+            out.append((off, seg))
+            off += seg[1] - seg[0]
+        return out
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment]) -> None:
+        """Attend to the keys ``k`` and values ``v`` that hold ``segments``."""
+        if self.repeat > 1:
+            k = k.repeat_interleave(self.repeat, dim=-3)
+            v = v.repeat_interleave(self.repeat, dim=-3)
+        koff = 0
+        for ks in segments:
+            n = ks[1] - ks[0]
+            kb, vb = k[..., koff:koff + n, :], v[..., koff:koff + n, :]
+            for i, (qoff, qs) in enumerate(self._rows()):
+                if self.causal and ks[0] > qs[1] - 1:
+                    continue  # every key after every query
+                self._pair(i, qoff, qs, kb, vb, ks)
+            koff += n
+
+    def _pair(self, i: int, qoff: int, qs: Segment, k: torch.Tensor, v: torch.Tensor,
+              ks: Segment) -> None:
+        q = self.q[..., qoff:qoff + qs[1] - qs[0], :]
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        if self.mask is not None:
+            m = self.mask
+            if m.shape[-2] != 1:
+                m = m[..., qoff:qoff + qs[1] - qs[0], :]
+            if m.shape[-1] != 1:
+                m = m[..., ks[0]:ks[1]]
+            scores = scores + m
+        if self.causal and ks[1] - 1 > qs[0]:  # some key after some query
+            qpos = torch.arange(qs[0], qs[1], device=q.device).unsqueeze(-1)
+            kpos = torch.arange(ks[0], ks[1], device=q.device)
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        top = scores.detach().amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = torch.exp(scores - top)
+        num, den = p @ v, p.sum(-1, keepdim=True)
+        self.pairs += 1
+        acc = self.acc[i]
+        if acc is None:
+            self.acc[i] = (top, num, den)
+            return
+        top0, num0, den0 = acc
+        new = torch.maximum(top0, top)
+        a, b = torch.exp(top0 - new), torch.exp(top - new)
+        self.acc[i] = (new, num0 * a + num * b, den0 * a + den * b)
+
+    def result(self, ev: int) -> torch.Tensor:
+        """The output ``(..., Lq, Ev)``; a query row that saw no key is NaN, as in
+        ``scaled_dot_product_attention``."""
+        outs = []
+        for acc, seg in zip(self.acc, self.segments, strict=True):
+            if acc is None:  # no key at all for this segment
+                shape = (*self.q.shape[:-2], seg[1] - seg[0], ev)
+                outs.append(torch.full(shape, float("nan"), dtype=self.q.dtype,
+                                       device=self.q.device))
+                continue
+            _, num, den = acc
+            outs.append(num / den)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

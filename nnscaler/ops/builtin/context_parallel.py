@@ -1,0 +1,278 @@
+"""Context parallelism: ``scaled_dot_product_attention`` split along the sequence.
+
+Each part holds one contiguous chunk of the queries, keys and values (``L == S``, chunk
+``p`` of ``n`` on part ``p``); the parts run `context_parallel_attention`, a part op
+whose parts talk through their `PartGroup`, by one of four strategies:
+
+``"ring"``
+    The key/value chunks go around the parts (``send_recv`` to the next part, ``n - 1``
+    steps) and each part merges its partial results by the log-sum-exp rule
+    (`BlockAttention`). The backward is autograd's: every received block's gradient goes
+    back the way the block came, so the gradient blocks travel the ring backwards.
+``"zigzag"``
+    The ring under causal masking, balanced: the parts first swap halves of their chunks
+    so that part ``p`` holds half-chunks ``p`` and ``2n - 1 - p`` (one early, one late),
+    run the ring, and swap the output back. Every part then computes the same number of
+    query/key products; in a plain causal ring part ``n - 1`` computes ``n`` blocks while
+    part 0 computes one. The sequence must divide by ``2 n``.
+``"ulysses"``
+    An all-to-all (``n - 1`` ``send_recv`` rounds) turns the sequence split into a split
+    of the heads, each part attends its heads over the whole sequence, and a second
+    all-to-all turns it back. The key/value heads must divide by ``n``.
+``"allgather"``
+    Every part gathers all keys and values and attends its own queries: the simplest
+    plan, with ``n`` times the key/value memory.
+
+Split ``scaled_dot_product_attention`` along the key's sequence dim (``idx=1``) for the
+ring (zigzag when causal and the sequence divides by ``2 n``) and along the value's
+(``idx=2``) for Ulysses; `nnscaler.policies.sequence` does this by name.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import torch
+
+from nnscaler.anno.partgroup import SINGLE, PartGroup
+from nnscaler.anno.transform import Replicate, Split, TransformRule
+from nnscaler.errors import NNScalerError
+from nnscaler.ops.builtin._common import is_tensor
+from nnscaler.ops.builtin.attention_blocks import BlockAttention, Segment, additive_mask
+from nnscaler.ops.builtin.nn import f64
+from nnscaler.ops.registry import OpRegistry
+
+__all__ = [
+    "CONTEXT_PARALLEL_ATTENTION",
+    "STRATEGIES",
+    "ContextParallelError",
+    "context_parallel_attention",
+    "sequence_rules",
+]
+
+CONTEXT_PARALLEL_ATTENTION = "nnscaler.ops.builtin.context_parallel.context_parallel_attention"
+STRATEGIES = ("ring", "zigzag", "ulysses", "allgather")
+_OP = "context_parallel_attention"
+
+
+class ContextParallelError(NNScalerError, ValueError):
+    """Attention cannot be split along the sequence as asked (a length the parts do not
+    divide, too few heads for Ulysses, a mask or dropout the split cannot keep)."""
+
+
+# -- moving pieces between the parts -----------------------------------------------------
+
+
+def _zig(c: int, n: int) -> int:
+    """The part that holds half-chunk ``c`` (of ``2 n``) in zigzag order."""
+    return c if c < n else 2 * n - 1 - c
+
+
+def to_zigzag(x: torch.Tensor, group: PartGroup, dim: int) -> torch.Tensor:
+    """Part ``p`` holds half-chunks ``2p, 2p+1`` along ``dim``; return half-chunks
+    ``p, 2n-1-p`` (two ``send_recv`` rounds; each round's destinations are a permutation)."""
+    n, i = group.size, group.index
+    got: dict[int, torch.Tensor] = {}
+    for parity, half in enumerate(x.chunk(2, dim)):
+        src = next(q for q in range(n) if _zig(2 * q + parity, n) == i)
+        got[2 * src + parity] = group.send_recv(half, _zig(2 * i + parity, n), src)
+    return torch.cat([got[i], got[2 * n - 1 - i]], dim)
+
+
+def from_zigzag(x: torch.Tensor, group: PartGroup, dim: int) -> torch.Tensor:
+    """The inverse of `to_zigzag`."""
+    n, i = group.size, group.index
+    lo, hi = x.chunk(2, dim)
+    out = []
+    for parity in (0, 1):
+        c, piece = (i, lo) if i % 2 == parity else (2 * n - 1 - i, hi)
+        out.append(group.send_recv(piece, c // 2, _zig(2 * i + parity, n)))
+    return torch.cat(out, dim)
+
+
+def all_to_all(pieces: list[torch.Tensor], group: PartGroup) -> list[torch.Tensor]:
+    """Send ``pieces[j]`` to part ``j``; return what every part sent here, in part order
+    (``n - 1`` rounds of ``send_recv``, round ``t`` shifting by ``t``)."""
+    n, i = group.size, group.index
+    out: list[torch.Tensor] = [pieces[i]] * n
+    for t in range(1, n):
+        out[(i - t) % n] = group.send_recv(pieces[(i + t) % n], (i + t) % n, (i - t) % n)
+    return out
+
+
+# -- the part op -----------------------------------------------------------------------
+
+
+def _fail(rule: str, seen: str, fix: str) -> ContextParallelError:
+    return ContextParallelError(f"{_OP}: {rule}; got {seen}. {fix}")
+
+
+def _check(query, key, value, mask, dropout_p, strategy, group, enable_gqa) -> int:
+    """Validate a call; return the grouped-query factor."""
+    if strategy not in STRATEGIES:
+        raise _fail(f"strategy is one of {STRATEGIES}", repr(strategy), "Pick one of them")
+    if dropout_p:
+        raise _fail("attention split along the sequence has no dropout (the parts cannot "
+                    "draw the whole op's random mask)", f"dropout_p={dropout_p}",
+                    "Pass dropout_p=0.0, or do not split the sequence")
+    if query.dim() < 2 or key.shape[-2] != query.shape[-2]:
+        raise _fail("queries and keys must hold chunks of one sequence (L == S)",
+                    f"query {tuple(query.shape)}, key {tuple(key.shape)}",
+                    "Split self-attention only")
+    if strategy == "zigzag" and query.shape[-2] % 2:
+        raise _fail(f"zigzag needs an even chunk (the sequence divisible by 2 x {group.size} "
+                    f"parts)", f"a chunk of {query.shape[-2]} tokens",
+                    "Pad the sequence to a multiple of 2 x the degree, or use strategy='ring'")
+    if is_tensor(mask) and mask.dim() >= 2 and mask.shape[-1] not in (1, key.shape[-2] * group.size):
+        raise _fail("a mask split along the sequence keeps every key column (or one that "
+                    "broadcasts)", f"mask {tuple(mask.shape)} for {key.shape[-2] * group.size} keys",
+                    "Pass the mask with all key columns")
+    repeat = 1
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+    return repeat
+
+
+def context_parallel_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+    enable_gqa=False, strategy="ring", group=SINGLE,
+):
+    """``scaled_dot_product_attention`` on this part's chunk of the sequence (chunk
+    ``group.index`` of ``group.size``, queries, keys and values alike), the parts joined
+    by ``group``: returns this chunk of the whole op's output. ``attn_mask`` holds this
+    chunk's rows (or one row) and every key column (or one); ``strategy`` is one of
+    `STRATEGIES` (see the module docs)."""
+    repeat = _check(query, key, value, attn_mask, dropout_p, strategy, group, enable_gqa)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    mask = additive_mask(attn_mask if is_tensor(attn_mask) else None, query.dtype)
+    if mask is not None and mask.dim() < 2:
+        mask = mask.reshape(1, -1)
+    n, i, c = group.size, group.index, query.shape[-2]
+    opts = dict(scale=scale, causal=bool(is_causal), repeat=repeat)
+    if strategy == "ulysses":
+        return _ulysses(query, key, value, mask, group, opts)
+    if strategy == "allgather":
+        att = BlockAttention(query, [(i * c, (i + 1) * c)], mask=mask, **opts)
+        keys, values = group.all_gather(key), group.all_gather(value)
+        for j in range(n):
+            att.add(keys[j], values[j], [(j * c, (j + 1) * c)])
+        return att.result(value.shape[-1])
+    if strategy == "zigzag":
+        h = c // 2
+        query, key, value = (to_zigzag(t, group, -2) for t in (query, key, value))
+        if mask is not None and mask.shape[-2] != 1:
+            mask = to_zigzag(mask, group, -2)
+
+        def segments(p: int) -> list[Segment]:
+            return [(p * h, (p + 1) * h), ((2 * n - 1 - p) * h, (2 * n - p) * h)]
+    else:
+        def segments(p: int) -> list[Segment]:
+            return [(p * c, (p + 1) * c)]
+    out = _ring(query, key, value, mask, group, segments, opts)
+    return from_zigzag(out, group, -2) if strategy == "zigzag" else out
+
+
+def _ring(query, key, value, mask, group, segments, opts) -> torch.Tensor:
+    n, i = group.size, group.index
+    att = BlockAttention(query, segments(i), mask=mask, **opts)
+    for t in range(n):
+        att.add(key, value, segments((i - t) % n))
+        if t < n - 1:  # pass the block on: to the next part, from the previous one
+            key = group.send_recv(key, (i + 1) % n, (i - 1) % n)
+            value = group.send_recv(value, (i + 1) % n, (i - 1) % n)
+    return att.result(value.shape[-1])
+
+
+def _ulysses(query, key, value, mask, group, opts) -> torch.Tensor:
+    n = group.size
+    if query.dim() < 3:
+        raise _fail("Ulysses splits the heads (dim -3)", f"query {tuple(query.shape)} without "
+                    "a head dim", "Use strategy='ring'")
+    hq, hk = query.shape[-3], key.shape[-3]
+    if hk % n or hq % n:
+        raise _fail(f"Ulysses gives each of the {n} parts whole heads: the query and "
+                    f"key/value heads must divide by {n}", f"{hq} query and {hk} key/value heads",
+                    f"Use strategy='ring' (or zigzag), or a degree that divides {hk}")
+
+    def heads_to_seq(t: torch.Tensor) -> torch.Tensor:  # (.., H, c, E) -> (.., H/n, L, E)
+        return torch.cat(all_to_all(list(t.chunk(n, -3)), group), -2)
+
+    q, k, v = heads_to_seq(query), heads_to_seq(key), heads_to_seq(value)
+    if mask is not None:
+        if mask.shape[-2] != 1:  # gather every part's rows
+            mask = torch.cat(list(group.all_gather(mask)), -2)
+        if mask.dim() >= 3 and mask.shape[-3] != 1:
+            mask = mask.chunk(n, -3)[group.index]
+    length = q.shape[-2]
+    att = BlockAttention(q, [(0, length)], mask=mask, **opts)
+    att.add(k, v, [(0, length)])
+    out = att.result(v.shape[-1])
+    back = all_to_all(list(out.chunk(n, -2)), group)  # (.., H/n, c, Ev) from every part
+    return torch.cat(back, -3)
+
+
+# -- the split rules of scaled_dot_product_attention ------------------------------------
+
+
+def sequence_rules(bound: Any) -> list[TransformRule]:
+    """Self-attention (``L == S``) splits along the sequence: splitting the key's sequence
+    dim (``idx=1``) runs the ring (zigzag when causal and the sequence divides by twice
+    the parts), the value's (``idx=2``) Ulysses (offered where the heads divide)."""
+    shapes = bound.input_shapes
+    q, k, v = shapes[:3]
+    mask = shapes[3] if len(shapes) > 3 else None
+    if q is None or k is None or v is None or len(q) < 2 or q[-2] != k[-2] or k[-2] != v[-2]:
+        return []
+    if mask is not None and len(mask) >= 1 and mask[-1] not in (1, k[-2]):
+        return []
+    length = q[-2]
+    mask_place = None
+    if mask is not None:
+        mask_place = Split(len(mask) - 2) if len(mask) >= 2 and mask[-2] != 1 else Replicate()
+    rest = [None] * (len(shapes) - 4)
+    # Split(-2) is the same split as Split(ndim - 2) but not the same request: a rule
+    # answers the request whose input it names with the positive dim (the key's for the
+    # ring, the value's for Ulysses), and the query's stays the annotation's own.
+    ring_in = (Split(-2), Split(len(k) - 2), Split(-2), mask_place, *rest)
+    ulysses_in = (Split(-2), Split(-2), Split(len(v) - 2), mask_place, *rest)
+
+    def ring(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
+        zig = kwargs.get("is_causal") and length % (2 * num) == 0
+        return {**kwargs, "strategy": "zigzag" if zig else "ring"}
+
+    def ulysses(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
+        return {**kwargs, "strategy": "ulysses"}
+
+    out = (Split(len(q) - 2),)
+    rules = [TransformRule(inputs=ring_in, outputs=out, modifier=ring,
+                           part_op=CONTEXT_PARALLEL_ATTENTION)]
+    if len(q) >= 3 and len(k) >= 3:
+        rules.append(TransformRule(inputs=ulysses_in, outputs=out, modifier=ulysses,
+                                   part_op=CONTEXT_PARALLEL_ATTENTION))
+    return rules
+
+
+def _part_anno(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+               scale=None, enable_gqa=False, **_: Any) -> str:
+    """The whole op's annotation with the query length ``^`` too: a part holds its chunk
+    and the group's positions, so its sequence splits no further."""
+    from nnscaler.ops.builtin.attention import sdpa_anno
+
+    return sdpa_anno(query, key, value, attn_mask, dropout_p, True, scale=scale,
+                     enable_gqa=enable_gqa)
+
+
+def _gen(rng: random.Random) -> tuple[tuple, dict]:
+    b, hk = rng.choice((1, 2)), rng.choice((1, 2))
+    hq = hk * rng.choice((1, 2))
+    length, e = rng.choice((2, 4, 8)), rng.choice((2, 4))
+    q, k, v = f64(rng, b, hq, length, e), f64(rng, b, hk, length, e), f64(rng, b, hk, length, e)
+    kw: dict[str, Any] = {"enable_gqa": hq != hk, "is_causal": rng.random() < 0.5}
+    return (q, k, v), kw
+
+
+def register(registry: OpRegistry) -> None:
+    registry.register(context_parallel_attention, _part_anno, name=CONTEXT_PARALLEL_ATTENTION,
+                      input_gen_fn=_gen, collective=True)

@@ -1,0 +1,124 @@
+"""``sequence``: context parallelism, the sequence split across the ``plan_ngpus`` devices.
+
+The sequence dim starts at dim 1 of every tensor forward argument with two or more dims
+(``pas_config`` key ``sequence_dims`` changes that per argument, as ``batch_dims`` does for
+``data``) and is followed through the graph in program order, as ``data`` follows the
+batch: norms, linears, the MLP, RoPE and the residual adds run on each device's chunk of
+the sequence. Tensors built from constants (positions, the rotary tables, a causal mask)
+are replicated and each consumer reads the slice of its chunk, so every chunk gets its
+own position offsets. Self-attention (``scaled_dot_product_attention``) is split by the
+rules of `nnscaler.ops.builtin.context_parallel`: ``pas_config['attention']`` is
+``'ring'`` (the default; zigzag balanced when causal and the sequence divides by twice the
+devices) or ``'ulysses'``. Attention is the only op whose parts talk; a loss whose tokens
+cannot be split (``reduction='mean'``) gathers its inputs.
+
+Data parallelism composes through the scale units (``runtime_ngpus = k * plan_ngpus``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnscaler.config import ComputeConfig
+from nnscaler.graph import IRGraph, PartitionError
+from nnscaler.ir import Graph, Op, SubTensor
+from nnscaler.policies.batch_split import _batch_transform, _follow, batch_dims_of_inputs
+from nnscaler.policies.common import PolicyError, as_policy_graph, assign_parts, policy_config
+
+__all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence"]
+
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+#: ``pas_config['attention']`` -> the input whose sequence dim the split names
+ATTENTION_STRATEGIES = {"ring": 1, "ulysses": 2}
+
+
+def attention_split(graph: IRGraph, op: Op, num: int, strategy: str = "ring") -> list[Op]:
+    """Split the self-attention ``op`` along the sequence in ``num`` parts by
+    ``strategy`` (``'ring'``: zigzag when causal and the sequence divides by ``2 num``;
+    ``'ulysses'``: the heads must divide by ``num``); returns the parts."""
+    if strategy not in ATTENTION_STRATEGIES:
+        raise PolicyError(f"attention split: strategy is one of {sorted(ATTENTION_STRATEGIES)}, "
+                          f"got {strategy!r}")
+    idx = ATTENTION_STRATEGIES[strategy]
+    x = op.inputs[idx] if idx < len(op.inputs) else None
+    if not isinstance(x, SubTensor) or x.ndim < 2:
+        raise PolicyError(f"attention split: {graph.describe(op)} has no key/value tensor "
+                          f"argument at position {idx}")
+    if strategy == "ulysses":
+        heads = [t.shape[-3] for t in op.inputs[:3] if isinstance(t, SubTensor) and t.ndim >= 3]
+        if len(heads) < 3 or any(h % num for h in heads):
+            raise PolicyError(
+                f"attention split: Ulysses gives each of the {num} devices whole heads, but "
+                f"{graph.describe(op)} has {heads or 'no'} query/key/value heads. Use "
+                f"pas_config['attention']='ring', or a degree that divides the heads")
+    return graph.partition(op, idx=idx, dim=x.ndim - 2, num=num)
+
+
+def _sequence_dims(g: IRGraph, dims: Any, n: int) -> dict:
+    """The sequence dim of each tensor argument (dim 1 unless ``dims`` says otherwise);
+    arguments with fewer than two dims carry none."""
+    defaults = {str(x.full.names[0] if x.full.names else x.full.name): None
+                for x in g.input_tensors() if x.full.ndim < 2}
+    given = {**defaults, **({} if dims is None else dict(dims))}
+    for x in g.input_tensors():
+        name = x.full.names[0] if x.full.names else x.full.name
+        given.setdefault(name, 1)
+    try:
+        return batch_dims_of_inputs(g, given, n)
+    except PolicyError as e:
+        raise PolicyError(str(e).replace("policy 'data'", "policy 'sequence'")
+                          .replace("batch_dims", "sequence_dims")
+                          .replace("batch dim", "sequence dim")
+                          .replace("batch size", "sequence length")) from None
+
+
+def _is_self_attention(op: Op) -> bool:
+    if op.name != SDPA or len(op.inputs) < 3:
+        return False
+    q, k, v = op.inputs[:3]
+    return all(isinstance(t, SubTensor) and t.ndim >= 2 for t in (q, k, v)) and (
+        q.shape[-2] == k.shape[-2] == v.shape[-2])
+
+
+def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
+    """Split the sequence across ``compute_config.plan_ngpus`` devices (see the module
+    docstring). ``pas_config``: ``sequence_dims`` (``{argument: dim or None}``) and
+    ``attention`` (``'ring'`` or ``'ulysses'``)."""
+    config = policy_config(compute_config, "sequence")
+    n, cfg = config.plan_ngpus, config.pas_config
+    strategy = cfg.get("attention", "ring")
+    if strategy not in ATTENTION_STRATEGIES:
+        raise PolicyError(f"policy 'sequence': pas_config['attention'] is one of "
+                          f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
+    g = as_policy_graph(graph)
+    seq = _sequence_dims(g, cfg.get("sequence_dims"), n)
+    for op in g.nodes():
+        if n == 1:
+            g.assign(op, 0)
+            continue
+        parts = None
+        carries = any(isinstance(x, SubTensor) and x.full in seq for x in op.inputs[:3])
+        if carries and _is_self_attention(op):
+            parts = attention_split(g, op, n, strategy)
+            _follow_output(op, seq)
+        else:
+            t = _batch_transform(op, seq, n)
+            if t is not None:
+                try:
+                    parts = g.partition(op, idx=t.idx, dim=t.dim, num=n)
+                except PartitionError:  # an in-place write through a view: replicate
+                    parts = None
+                else:
+                    _follow(op, t, seq)
+        if parts is None:
+            parts = g.replicate(op, n)
+        assign_parts(g, parts)
+    g.check(n)
+    return g
+
+
+def _follow_output(op: Op, seq: dict) -> None:
+    out = op.output_tensors()
+    if out:
+        seq[out[0].full] = out[0].full.ndim - 2
+
