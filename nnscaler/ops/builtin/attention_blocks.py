@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BlockAttention", "Segment", "additive_mask"]
+__all__ = ["BlockAttention", "Segment", "additive_mask", "reduce_to"]
 
 #: global token range ``(start, stop)`` of a piece of the sequence
 Segment = tuple[int, int]
@@ -34,6 +34,18 @@ def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
     if mask is None or mask.is_floating_point():
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def reduce_to(grad: torch.Tensor, shape: torch.Size, repeat: int = 1) -> torch.Tensor:
+    """The gradient of a tensor of ``shape`` that was broadcast (and its heads, dim -3,
+    repeated ``repeat`` times each) to ``grad``'s shape: summed back."""
+    if repeat > 1:
+        grad = grad.unflatten(-3, (grad.shape[-3] // repeat, repeat)).sum(-3)
+    extra = grad.dim() - len(shape)
+    if extra:
+        grad = grad.sum(tuple(range(extra)))
+    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
+    return grad.sum(dims, keepdim=True) if dims else grad
 
 
 class BlockAttention:
@@ -65,19 +77,12 @@ class BlockAttention:
         if self.repeat > 1:
             k = k.repeat_interleave(self.repeat, dim=-3)
             v = v.repeat_interleave(self.repeat, dim=-3)
-        koff = 0
-        for ks in segments:
+        for i, qoff, qs, koff, ks in self._pairs(segments):
             n = ks[1] - ks[0]
-            kb, vb = k[..., koff:koff + n, :], v[..., koff:koff + n, :]
-            for i, (qoff, qs) in enumerate(self._rows()):
-                if self.causal and ks[0] > qs[1] - 1:
-                    continue  # every key after every query
-                self._pair(i, qoff, qs, kb, vb, ks)
-            koff += n
+            self._pair(i, qoff, qs, k[..., koff:koff + n, :], v[..., koff:koff + n, :], ks)
 
-    def _pair(self, i: int, qoff: int, qs: Segment, k: torch.Tensor, v: torch.Tensor,
-              ks: Segment) -> None:
-        q = self.q[..., qoff:qoff + qs[1] - qs[0], :]
+    def _scores(self, q: torch.Tensor, qoff: int, qs: Segment, k: torch.Tensor,
+                ks: Segment) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * self.scale
         if self.mask is not None:
             m = self.mask
@@ -90,6 +95,22 @@ class BlockAttention:
             qpos = torch.arange(qs[0], qs[1], device=q.device).unsqueeze(-1)
             kpos = torch.arange(ks[0], ks[1], device=q.device)
             scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        return scores
+
+    def _pairs(self, segments: Sequence[Segment]):
+        """``(query segment index, its row offset, its segment, key offset, key segment)``
+        for every pair that is not wholly masked."""
+        koff = 0
+        for ks in segments:
+            for i, (qoff, qs) in enumerate(self._rows()):
+                if not (self.causal and ks[0] > qs[1] - 1):  # some key not after every query
+                    yield i, qoff, qs, koff, ks
+            koff += ks[1] - ks[0]
+
+    def _pair(self, i: int, qoff: int, qs: Segment, k: torch.Tensor, v: torch.Tensor,
+              ks: Segment) -> None:
+        q = self.q[..., qoff:qoff + qs[1] - qs[0], :]
+        scores = self._scores(q, qoff, qs, k, ks)
         top = scores.detach().amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         p = torch.exp(scores - top)
@@ -103,6 +124,35 @@ class BlockAttention:
         new = torch.maximum(top0, top)
         a, b = torch.exp(top0 - new), torch.exp(top - new)
         self.acc[i] = (new, num0 * a + num * b, den0 * a + den * b)
+
+    def lse(self) -> torch.Tensor:
+        """The log-sum-exp of every query row's scores (``(..., Lq, 1)``)."""
+        parts = [top + den.log() for top, _, den in self.acc]  # type: ignore[misc]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def grad_block(self, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment], *,
+                   dout: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor,
+                   dq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backward of `add` for one block, by recomputation (no autograd): adds this
+        block's share to ``dq`` in place and returns its ``(dk, dv)`` (the block's
+        shape). ``delta`` is ``sum(dout * out, -1)`` of every query row, ``lse`` `lse`."""
+        r = self.repeat
+        kr = k.repeat_interleave(r, dim=-3) if r > 1 else k
+        vr = v.repeat_interleave(r, dim=-3) if r > 1 else v
+        dk = torch.zeros(torch.broadcast_shapes(kr.shape, (*dout.shape[:-2], *kr.shape[-2:])),
+                         dtype=k.dtype, device=k.device)
+        dv = torch.zeros(torch.broadcast_shapes(vr.shape, (*dout.shape[:-2], *vr.shape[-2:])),
+                         dtype=v.dtype, device=v.device)
+        for _, qoff, qs, koff, ks in self._pairs(segments):
+            rows, cols = slice(qoff, qoff + qs[1] - qs[0]), slice(koff, koff + ks[1] - ks[0])
+            q = self.q[..., rows, :]
+            p = torch.exp(self._scores(q, qoff, qs, kr[..., cols, :], ks) - lse[..., rows, :])
+            do = dout[..., rows, :]
+            dv[..., cols, :] += p.transpose(-2, -1) @ do
+            ds = p * (do @ vr[..., cols, :].transpose(-2, -1) - delta[..., rows, :])
+            dq[..., rows, :] += (ds @ kr[..., cols, :]) * self.scale
+            dk[..., cols, :] += (ds.transpose(-2, -1) @ q) * self.scale
+        return reduce_to(dk, k.shape, r), reduce_to(dv, v.shape, r)
 
     def result(self, ev: int) -> torch.Tensor:
         """The output ``(..., Lq, Ev)``; a query row that saw no key is NaN, as in

@@ -35,12 +35,18 @@ import random
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from nnscaler.anno.partgroup import SINGLE, PartGroup
+from nnscaler.anno.partgroup import SINGLE, PartGroup, ThreadPartGroup
 from nnscaler.anno.transform import Replicate, Split, TransformRule
 from nnscaler.errors import NNScalerError
 from nnscaler.ops.builtin._common import is_tensor
-from nnscaler.ops.builtin.attention_blocks import BlockAttention, Segment, additive_mask
+from nnscaler.ops.builtin.attention_blocks import (
+    BlockAttention,
+    Segment,
+    additive_mask,
+    reduce_to,
+)
 from nnscaler.ops.builtin.nn import f64
 from nnscaler.ops.registry import OpRegistry
 
@@ -175,14 +181,77 @@ def context_parallel_attention(
 
 
 def _ring(query, key, value, mask, group, segments, opts) -> torch.Tensor:
+    """The ring on this part's pieces: by autograd through ``send_recv`` where the parts
+    are threads of one process (their backward runs in one thread, so it cannot talk),
+    or where the mask takes gradients; otherwise by `_RingAttention`, which keeps only
+    its own chunk for the backward."""
+    if isinstance(group, ThreadPartGroup) or (mask is not None and mask.requires_grad):
+        return _ring_autograd(query, key, value, mask, group, segments, opts)
+    return _RingAttention.apply(query, key, value, mask, group, segments, opts)
+
+
+def _shift(group: PartGroup, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Pass every ``x`` to the next part, from the previous one."""
+    n, i = group.size, group.index
+    return [group.send_recv(x, (i + 1) % n, (i - 1) % n) for x in xs]
+
+
+def _ring_autograd(query, key, value, mask, group, segments, opts) -> torch.Tensor:
     n, i = group.size, group.index
     att = BlockAttention(query, segments(i), mask=mask, **opts)
     for t in range(n):
         att.add(key, value, segments((i - t) % n))
-        if t < n - 1:  # pass the block on: to the next part, from the previous one
-            key = group.send_recv(key, (i + 1) % n, (i - 1) % n)
-            value = group.send_recv(value, (i + 1) % n, (i - 1) % n)
+        if t < n - 1:
+            key, value = _shift(group, key, value)
     return att.result(value.shape[-1])
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward: the forward keeps this part's queries,
+    keys, values, output and log-sum-exp (nothing of the other parts' blocks); the
+    backward sends the key/value blocks around the ring again, recomputes each block's
+    probabilities, and passes each block's key/value gradients along with it, so after
+    a last step every part holds the gradients of its own keys and values."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, group, segments, opts):  # type: ignore[override]
+        n, i = group.size, group.index
+        with torch.no_grad():
+            att = BlockAttention(query, segments(i), mask=mask, **opts)
+            k, v = key, value
+            for t in range(n):
+                att.add(k, v, segments((i - t) % n))
+                if t < n - 1:
+                    k, v = _shift(group, k, v)
+            out = att.result(value.shape[-1])
+            lse = att.lse()
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mask, ctx.group, ctx.segments, ctx.opts = mask, group, segments, opts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        query, key, value, out, lse = ctx.saved_tensors
+        group, segments = ctx.group, ctx.segments
+        n, i = group.size, group.index
+        with torch.no_grad():
+            att = BlockAttention(query, segments(i), mask=ctx.mask, **ctx.opts)
+            delta = (dout * out).sum(-1, keepdim=True)
+            dq = torch.zeros(torch.broadcast_shapes(query.shape, (*dout.shape[:-1],
+                                                                  query.shape[-1])),
+                             dtype=query.dtype, device=query.device)
+            k, v = key, value
+            dk = torch.zeros_like(key)
+            dv = torch.zeros_like(value)
+            for t in range(n):
+                gk, gv = att.grad_block(k, v, segments((i - t) % n), dout=dout, delta=delta,
+                                        lse=lse, dq=dq)
+                dk, dv = dk + gk, dv + gv
+                if t < n - 1:
+                    k, v, dk, dv = _shift(group, k, v, dk, dv)
+            if n > 1:  # the block held now is part i + 1's: its gradients go home
+                dk, dv = _shift(group, dk, dv)
+        return reduce_to(dq, query.shape), dk, dv, None, None, None, None
 
 
 def _ulysses(query, key, value, mask, group, opts) -> torch.Tensor:
@@ -205,10 +274,8 @@ def _ulysses(query, key, value, mask, group, opts) -> torch.Tensor:
             mask = torch.cat(list(group.all_gather(mask)), -2)
         if mask.dim() >= 3 and mask.shape[-3] != 1:
             mask = mask.chunk(n, -3)[group.index]
-    length = q.shape[-2]
-    att = BlockAttention(q, [(0, length)], mask=mask, **opts)
-    att.add(k, v, [(0, length)])
-    out = att.result(v.shape[-1])
+    out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=opts["causal"],
+                                         scale=opts["scale"], enable_gqa=opts["repeat"] > 1)
     back = all_to_all(list(out.chunk(n, -2)), group)  # (.., H/n, c, Ev) from every part
     return torch.cat(back, -3)
 

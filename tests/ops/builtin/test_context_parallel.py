@@ -179,3 +179,53 @@ def test_errors_name_the_op_and_the_fix():
         run(2, strategy="tree")
     with pytest.raises(ContextParallelError, match="every key column"):
         context_parallel_attention(q, k, v, torch.ones(6, 4, dtype=torch.bool))
+
+
+# -- the ring's own backward (ProcessPartGroup, and a group of one part) -------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_ring_on_one_part_matches(causal):
+    """A group of one part runs `_RingAttention` (the recomputing backward)."""
+    q, k, v = _inputs(2, 4, 2, 8, 4, 3, seed=5)
+    mask = None if causal else _packed_mask(8, [3, 5], causal=False)
+    _compare(q, k[:1], v[:1], 1, "ring", causal=causal, gqa=True, mask=mask)  # keys broadcast
+
+
+def _dist_cases():
+    pad = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    pad[1, ..., 13:] = False
+    return [dict(strategy=s, causal=c, mask=m, gqa=g)
+            for s in ("ring", "zigzag", "allgather", "ulysses")
+            for c, m, g in ((True, None, False), (False, None, True), (False, pad, False),
+                            (False, _packed_mask(16, [7, 9], causal=True), True))]
+
+
+def _dist_worker(rank, world):
+    from nnscaler.runtime.partgroup import ProcessPartGroup
+
+    group = ProcessPartGroup(list(range(world)))
+    for case in _dist_cases():
+        hk = 4 if case["strategy"] == "ulysses" else 2
+        q, k, v = _inputs(2, 4 if case["gqa"] else hk, hk, 16, 4, 3, seed=11)
+        up = torch.randn(*q.shape[:-1], 3, generator=torch.Generator().manual_seed(3))
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*leaves, attn_mask=case["mask"],
+                                              is_causal=case["causal"], enable_gqa=case["gqa"])
+        want_grads = torch.autograd.grad((want * up).sum(), leaves)
+        mine = [t.chunk(world, -2)[rank].clone().requires_grad_(True) for t in (q, k, v)]
+        out = context_parallel_attention(*mine, _split_mask(case["mask"], world, rank),
+                                         is_causal=case["causal"], enable_gqa=case["gqa"],
+                                         strategy=case["strategy"], group=group)
+        grads = torch.autograd.grad((out * up.chunk(world, -2)[rank]).sum(), mine)
+        torch.testing.assert_close(out, want.chunk(world, -2)[rank], rtol=RTOL, atol=ATOL)
+        for g, w in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w.chunk(world, -2)[rank], rtol=RTOL, atol=ATOL)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_strategies_on_processes_match_whole_attention(world):
+    from dist_utils import run_distributed
+
+    assert all(run_distributed(_dist_worker, world))
