@@ -7,14 +7,17 @@ other code than the op itself), the file calls it as ``nnscaler.runtime.ops.<nam
 - `row_parallel_embedding`: ``F.embedding`` on a block of rows of the table (the
   vocabulary-parallel embedding: tokens outside the block give zeros, the parts sum);
 - `class_parallel_cross_entropy`: ``F.cross_entropy`` on a block of classes, the
-  parts exchanging their normalizers through ``group`` (the vocabulary-parallel loss).
+  parts exchanging their normalizers through ``group`` (the vocabulary-parallel loss);
+- `context_parallel_attention`: ``F.scaled_dot_product_attention`` on a chunk of the
+  sequence, the parts passing keys and values through ``group`` (ring, zigzag, Ulysses).
 
 Their implementations live with their annotations in `nnscaler.ops.builtin`; this
 module only names them (a test checks that every nnscaler function registered as an op
 is here).
 """
 
+from nnscaler.ops.builtin.context_parallel import context_parallel_attention
 from nnscaler.ops.builtin.loss import class_parallel_cross_entropy
 from nnscaler.ops.builtin.nn import row_parallel_embedding
 
-__all__ = ["class_parallel_cross_entropy", "row_parallel_embedding"]
+__all__ = ["class_parallel_cross_entropy", "context_parallel_attention", "row_parallel_embedding"]
