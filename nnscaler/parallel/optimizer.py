@@ -5,7 +5,9 @@ The optimizer gets every [`ParallelModule`][nnscaler.ParallelModule]'s
 rest of the model, which run plain data parallel across scale units through
 ``optimizer._non_parallel_module_reducer``. Patched in:
 
-- before ``step()``: `sync_shard_grad` (every reducer sums its gradients);
+- before ``step()``: `sync_shard_grad` (every reducer sums its gradients, once: the
+  gradients count as synced until ``zero_grad()`` or the model's next forward with grad
+  enabled, as in nnScaler, so ``clip_gnorm()`` after ``step()`` does not sum them again);
 - after ``step()``: every module's ``gather_params()`` (ZeRO: all-gather the shards);
 - ``zero_grad()`` also zeroes the modules' gradient buffers;
 - utilities ``sync_shard_grad()``, ``scale_grads(factor)``, ``clip_gnorm(max_norm)``,
@@ -191,7 +193,9 @@ def build_optimizer(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    _patch(optimizer, _OptimizerState(pms, reducer, copies))
+    state = _OptimizerState(pms, reducer, copies)
+    _patch(optimizer, state)
+    _reset_sync_on_forward(module, pms, state)
     if pms:
         # state_dict() records which tensor each entry is, so checkpoints merge whatever
         # the parameter groups, and load_state_dict() checks it (nnscaler.checkpoint)
@@ -287,7 +291,6 @@ def _patch(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
             pm.gather_params()
         if state.reducer is not None:
             state.reducer.gather_params()
-        state.synced = False
 
     optimizer.register_step_pre_hook(pre_step)
     optimizer.register_step_post_hook(post_step)
@@ -303,6 +306,20 @@ def _patch(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
         state.synced = False
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _reset_sync_on_forward(module: torch.nn.Module, pms: Sequence[ParallelModule],
+                           state: _OptimizerState) -> None:
+    """New gradients come only from a forward with grad enabled: that is where the synced
+    flag is cleared (nnScaler's rule). Clearing it after ``step()`` instead would let a
+    ``clip_gnorm()`` called after the step sum the already-summed gradients again."""
+
+    def clear(mod: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            state.synced = False
+
+    for m in {id(m): m for m in (module, *pms)}.values():
+        m.register_forward_pre_hook(clear)
 
 
 def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
