@@ -8,9 +8,11 @@ from nnscaler.anno.partgroup import PartGroupError
 from nnscaler.checkpoint import (
     deduped_state_dict,
     load_deduped_state_dict,
+    load_merged_state_dict,
     load_merged_state_dicts,
     load_pretrained,
     load_resharded,
+    load_sharded_state_dict,
     merge_state_dicts,
     meta_parameters,
     save_pretrained,
@@ -51,10 +53,13 @@ from nnscaler.parallel.paths import GenFilesError
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies.common import PolicyError
 from nnscaler.runtime.collectives import CollectiveError
+from nnscaler.runtime.device import init, uninit
 from nnscaler.runtime.module import ParallelModule, ParallelModuleError
 from nnscaler.runtime.pipeline import PipelineError
+from nnscaler.runtime.reducer import sync_grad_when
 from nnscaler.schedule.errors import ScheduleError
 from nnscaler.trace.errors import DataDependentError, TraceError
+from nnscaler.trace.markers import anchor, constant_folding, fold_constant, no_constant_folding
 
 __version__ = "0.1.0"
 
@@ -96,19 +101,28 @@ __all__ = [
     "VerifyError",
     "VerifyReport",
     "__version__",
+    "anchor",
     "broadcast_weights",
     "build_optimizer",
+    "constant_folding",
     "deduped_state_dict",
+    "fold_constant",
     "get_plugin_manager",
     "hookimpl",
+    "init",
     "load_deduped_state_dict",
+    "load_merged_state_dict",
     "load_merged_state_dicts",
     "load_pretrained",
     "load_resharded",
+    "load_sharded_state_dict",
     "merge_state_dicts",
     "meta_parameters",
+    "no_constant_folding",
     "parallelize",
     "register_op",
     "save_pretrained",
+    "sync_grad_when",
+    "uninit",
     "verify",
 ]

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import json
 import numbers
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -260,20 +261,27 @@ def _bool(name: str, value: Any) -> None:
 
 def _trace_strategy(name: str, value: Any) -> None:
     if value not in TRACE_STRATEGIES:
+        nnscaler_names = ""
+        if value in ("cpu", "cuda", "cuda_run_cpu_offload", "reuse_cache"):
+            nnscaler_names = (
+                f" ({value!r} is nnScaler's: its 'cpu', 'cuda' and 'cuda_run_cpu_offload' run "
+                f"the real ops, which is 'real' here, on the device of the dummy inputs and "
+                f"weights; 'reuse_cache' has no counterpart)"
+            )
         raise ComputeConfigError(
             f"ComputeConfig.trace_strategy must be one of {list(TRACE_STRATEGIES)}, got "
             f"{value!r}: 'real' runs forward on the dummy inputs, 'meta' on the meta device "
-            f"(shapes only, fast, but no values can be read from tensor data)"
+            f"(shapes only, fast, but no values can be read from tensor data){nnscaler_names}"
         )
 
 
 def _bucket_cap(name: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
         raise ComputeConfigError(
-            f"ComputeConfig.reducer_bucket_cap_mb must be a positive number of MiB or None "
-            f"(the reducer's default, {DEFAULT_BUCKET_CAP_MB} MiB), got {value!r}"
+            f"ComputeConfig.reducer_bucket_cap_mb must be a positive number of MiB, or 0 or "
+            f"None for the reducer's default ({DEFAULT_BUCKET_CAP_MB} MiB), got {value!r}"
         )
 
 
@@ -303,6 +311,18 @@ def _mapping(name: str, value: Any) -> None:
         )
 
 
+def _world_size() -> int:
+    """nnScaler's default ``runtime_ngpus``: the job's ``$WORLD_SIZE`` (set by torchrun)."""
+    text = os.environ.get("WORLD_SIZE")
+    if text is None or not text.strip().isdigit() or int(text) < 1:
+        raise ComputeConfigError(
+            f"ComputeConfig.runtime_ngpus was not given, so it is taken from $WORLD_SIZE (as "
+            f"in nnScaler), but $WORLD_SIZE is {text!r}; launch with torchrun or pass it: "
+            f"ComputeConfig(plan_ngpus, runtime_ngpus)"
+        )
+    return int(text)
+
+
 def _near_multiples(value: int, step: int) -> str:
     below, above = value // step * step, -(-value // step) * step
     return " or ".join(str(m) for m in dict.fromkeys((below, above)) if m > 0)
@@ -324,6 +344,7 @@ class ComputeConfig:
     Args:
         plan_ngpus: devices in one scale unit (the policy places ops on ``0..plan_ngpus-1``).
         runtime_ngpus: devices of the whole job; a positive multiple of ``plan_ngpus``.
+            Left out (None), it is ``$WORLD_SIZE``, as in nnScaler.
         use_zero: shard optimizer state (ZeRO stage 1) over the data-parallel replicas.
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
@@ -338,7 +359,12 @@ class ComputeConfig:
             the tracer always folds Python values such as shapes into constants.
         trace_strategy: ``'real'`` (run forward on the dummy inputs) or ``'meta'``.
         use_async_reducer: overlap gradient reduction with backward.
-        reducer_bucket_cap_mb: reducer bucket size in MiB; None for the default (25).
+        reducer_bucket_cap_mb: reducer bucket size in MiB; None or 0 (nnScaler's spelling)
+            for the default (25). 0 is stored as None, so the two configs are equal.
+        zero_use_reduce_scatter: nnScaler's choice between reduce-scatter and all-reduce
+            for ZeRO gradients; only with ``use_zero=True``. The ZeRO reducer here always
+            reduce-scatters (both give every shard the same sum), so the flag is recorded
+            (and compared for reuse) but changes no result.
         allow_data_dependent: accept a traced graph that read values or sizes from
             tensor data (``if x.sum() > 0:``, ``x.item()``, ``torch.nonzero``): the values
             the dummy inputs gave are then used for every batch. Off: ``parallelize``
@@ -355,7 +381,7 @@ class ComputeConfig:
     """
 
     plan_ngpus: int = field(metadata=_check(_positive_int))
-    runtime_ngpus: int = field(metadata=_check(_positive_int))
+    runtime_ngpus: int = field(default=None, metadata=_check(_positive_int))  # type: ignore[assignment]
     _: KW_ONLY
     use_zero: bool = field(default=False, metadata=_check(_bool))
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
@@ -366,6 +392,7 @@ class ComputeConfig:
     trace_strategy: str = field(default="real", metadata=_check(_trace_strategy))
     use_async_reducer: bool = field(default=False, metadata=_check(_bool))
     reducer_bucket_cap_mb: float | None = field(default=None, metadata=_check(_bucket_cap))
+    zero_use_reduce_scatter: bool = field(default=False, metadata=_check(_bool))
     allow_data_dependent: bool = field(default=False, metadata=_check(_bool))
     check_custom_ops: bool = field(default=True, metadata=_check(_bool))
     pas_config: Mapping[str, Any] = field(default_factory=FrozenDict,
@@ -374,8 +401,18 @@ class ComputeConfig:
                                            metadata=_check(_mapping))
 
     def __post_init__(self) -> None:
+        if self.runtime_ngpus is None:
+            object.__setattr__(self, "runtime_ngpus", _world_size())
         for f in dataclasses.fields(self):
             f.metadata["check"](f.name, getattr(self, f.name))
+        if self.reducer_bucket_cap_mb == 0:
+            object.__setattr__(self, "reducer_bucket_cap_mb", None)
+        if self.zero_use_reduce_scatter and (not self.use_zero or self.zero_ngroups != 1):
+            raise ComputeConfigError(
+                f"ComputeConfig.zero_use_reduce_scatter only applies with use_zero=True and "
+                f"zero_ngroups=1 (as in nnScaler); got use_zero={self.use_zero}, "
+                f"zero_ngroups={self.zero_ngroups}. Leave zero_use_reduce_scatter at False"
+            )
         for name in ("pas_config", "user_config"):
             if not isinstance(getattr(self, name), FrozenDict):
                 object.__setattr__(self, name, FrozenDict(getattr(self, name)))
@@ -484,7 +521,7 @@ class ComputeConfig:
             raise ComputeConfigError(
                 f"ComputeConfig has no field(s) {unknown}; its fields are {sorted(names)}"
             )
-        for required in ("plan_ngpus", "runtime_ngpus"):
+        for required in ("plan_ngpus",):
             if required not in data:
                 raise ComputeConfigError(f"ComputeConfig.{required} is required (missing); "
                                          f"e.g. ComputeConfig(plan_ngpus=2, runtime_ngpus=4)")

@@ -27,7 +27,7 @@ from nnscaler.config import (
 # compares it, so a new field or default invalidates every saved generation).
 SURFACE = [
     ("plan_ngpus", dataclasses.MISSING),
-    ("runtime_ngpus", dataclasses.MISSING),
+    ("runtime_ngpus", None),
     ("use_zero", False),
     ("zero_ngroups", 1),
     ("zero_stage", None),
@@ -37,6 +37,7 @@ SURFACE = [
     ("trace_strategy", "real"),
     ("use_async_reducer", False),
     ("reducer_bucket_cap_mb", None),
+    ("zero_use_reduce_scatter", False),
     ("allow_data_dependent", False),
     ("check_custom_ops", True),
     ("pas_config", {}),
@@ -195,7 +196,9 @@ def test_json_round_trip_is_stable():
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "use_zero": True, "zero_ngroups": 3},
          r"divide the number of scale units.*\[1, 2, 4\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 1, "trace_strategy": "cuda"}, "'real', 'meta'"),
-        ({"plan_ngpus": 1, "runtime_ngpus": 1, "reducer_bucket_cap_mb": 0}, "positive number"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 1, "reducer_bucket_cap_mb": -1}, "positive number"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_use_reduce_scatter": True},
+         "zero_use_reduce_scatter only applies with use_zero=True"),
         ({"plan_ngpus": 1, "runtime_ngpus": 1, "pas_config": [1]}, "pas_config must be a dict"),
         ({"plan_ngpus": 1, "runtime_ngpus": 1, "user_config": {1: 2}}, "keyed by strings"),
     ],

@@ -63,6 +63,16 @@ ALL = [
     "register_op",
     "save_pretrained",
     "verify",
+    # nnScaler 0.8's names (docs/migrating.md)
+    "anchor",
+    "uninit",
+    "constant_folding",
+    "fold_constant",
+    "init",
+    "load_merged_state_dict",
+    "load_sharded_state_dict",
+    "no_constant_folding",
+    "sync_grad_when",
 ]
 
 PARALLELIZE = [

@@ -36,7 +36,11 @@ from nnscaler.checkpoint.hub import (
 )
 from nnscaler.checkpoint.merge import merge_state_dicts
 from nnscaler.checkpoint.optimizer import track_optimizer
-from nnscaler.checkpoint.reshard import load_merged_state_dicts
+from nnscaler.checkpoint.reshard import (
+    load_merged_state_dict,
+    load_merged_state_dicts,
+    load_sharded_state_dict,
+)
 
 __all__ = [
     "CheckpointError",
@@ -45,9 +49,11 @@ __all__ = [
     "deduped_state_dict",
     "load",
     "load_deduped_state_dict",
+    "load_merged_state_dict",
     "load_merged_state_dicts",
     "load_pretrained",
     "load_resharded",
+    "load_sharded_state_dict",
     "merge_state_dicts",
     "meta_parameters",
     "save",

@@ -36,7 +36,7 @@ from nnscaler.runtime.state import (
     unheld_names,
 )
 
-__all__ = ["load_merged_state_dicts"]
+__all__ = ["load_merged_state_dict", "load_merged_state_dicts", "load_sharded_state_dict"]
 
 _ANOTHER = ("the state dict belongs to another model or plan")
 
@@ -381,3 +381,39 @@ def _local_state(opt: str, desc: Mapping[str, Any], states: list[tuple[str, Any,
         else:
             out[key] = split[0][4][key]
     return out
+
+
+#: nnScaler's name (its package exports the singular): the same function.
+load_merged_state_dict = load_merged_state_dicts
+
+
+def load_sharded_state_dict(
+    module: torch.nn.Module,
+    module_state_dict: Mapping[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state_dict: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+) -> None:
+    """nnScaler's ``load_sharded_state_dict``: load this rank's own state dicts (what
+    ``module.state_dict()`` and ``optimizer.state_dict()`` returned on this rank, for the
+    same plan and world size) into ``module`` and ``optimizer``. Either part may be None.
+
+    ``device``: where the loaded tensors are moved first (None: where they lie; the
+    module's tensors are updated in place wherever they live). A state dict of another
+    plan or rank is refused by the module's own check; merge it and use
+    `load_merged_state_dict` instead.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise CheckpointError(f"load_sharded_state_dict loads into a torch.nn.Module, got "
+                              f"{type(module).__name__}")
+    if optimizer_state_dict is not None and optimizer is None:
+        raise CheckpointError("load_sharded_state_dict got an optimizer_state_dict but no "
+                              "optimizer to load it into; pass the optimizer as well")
+    if module_state_dict is not None:
+        if device is not None:
+            module_state_dict = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                 for k, v in module_state_dict.items()}
+        module.load_state_dict(module_state_dict)
+    if optimizer is not None and optimizer_state_dict is not None:
+        optimizer.load_state_dict(dict(optimizer_state_dict))

@@ -9,13 +9,24 @@
 - [`broadcast_weights`][nnscaler.broadcast_weights]: initial weights from the ranks that have them;
 - [`verify`][nnscaler.verify]: the plan against the single-device model, op by op;
 - `map_over_ranks`, `call_on_every_rank`: work a policy hands to every rank
-  while rank 0 plans (profiling, measuring collectives).
+  while rank 0 plans (profiling, measuring collectives);
+- at nnScaler's import paths: the checkpoint functions (``merge_state_dicts``,
+  ``deduped_state_dict``, ``load_deduped_state_dict``, ``load_merged_state_dict``,
+  ``load_sharded_state_dict``, from `nnscaler.checkpoint`) and ``sync_grad_when``
+  (from `nnscaler.runtime.reducer`).
 
 See ``docs/parallelize.md``.
 """
 
 from __future__ import annotations
 
+from nnscaler.checkpoint import (
+    deduped_state_dict,
+    load_deduped_state_dict,
+    load_merged_state_dict,
+    load_sharded_state_dict,
+    merge_state_dicts,
+)
 from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError, parallelize
 from nnscaler.parallel.broadcast import BroadcastError, broadcast_weights
 from nnscaler.parallel.config import (
@@ -29,6 +40,7 @@ from nnscaler.parallel.paths import GenFilesError
 from nnscaler.parallel.verification import Difference, VerifyError, VerifyReport, verify
 from nnscaler.parallel.workers import WorkerError, call_on_every_rank, map_over_ranks
 from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.reducer import sync_grad_when
 
 __all__ = [
     "BroadcastError",
@@ -48,8 +60,14 @@ __all__ = [
     "VerifyReport",
     "WorkerError",
     "call_on_every_rank",
+    "deduped_state_dict",
+    "load_deduped_state_dict",
+    "load_merged_state_dict",
+    "load_sharded_state_dict",
     "map_over_ranks",
+    "merge_state_dicts",
     "parallelize",
+    "sync_grad_when",
     "verify",
 ]
 

@@ -43,7 +43,9 @@ __all__ = [
     "collective_timeout",
     "current_device",
     "device_type",
+    "init",
     "init_distributed",
+    "uninit",
     "local_rank",
 ]
 
@@ -190,3 +192,21 @@ def init_distributed(
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=bound)
     _timeout[:] = [bound, dist.group.WORLD]
     return dev
+
+
+def init() -> None:
+    """nnScaler's ``nnscaler.init()``: join the job's default process group from torchrun's
+    variables (NCCL on CUDA, with the current device set to ``cuda:<local_rank>``; gloo on
+    CPU), unless one is running. Optional, as in nnScaler: ``parallelize`` and the Trainer
+    start it themselves. `init_distributed` is the same with a device and a timeout."""
+    init_distributed()
+
+
+def uninit() -> None:
+    """nnScaler's ``nnscaler.uninit()``: destroy the default process group (and every
+    group made in it), when one is running."""
+    from nnscaler.runtime.groups import clear_groups
+
+    if dist.is_available() and dist.is_initialized():
+        clear_groups()
+        dist.destroy_process_group()

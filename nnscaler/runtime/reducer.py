@@ -37,12 +37,38 @@ from nnscaler.config import DEFAULT_BUCKET_CAP_MB
 from nnscaler.runtime.teardown import track_reducer
 from nnscaler.runtime.zero import new_group, padded_numel, zero_groups
 
-__all__ = ["Bucket", "Reducer", "ReducerHook"]
+__all__ = ["Bucket", "Reducer", "ReducerHook", "sync_grad_when"]
 
 ReducerHook = Callable[[torch.Tensor], Any]
 """``fn(grad_buffer)``; may modify the buffer in place, the return value is ignored."""
 
 _MB = 1024 * 1024
+
+# sync_grad_when(False) depth: while above 0, backward passes only accumulate
+_skip_sync = [0]
+
+
+@contextlib.contextmanager
+def sync_grad_when(cond: bool) -> Iterator[None]:
+    """nnScaler's gradient-accumulation switch: inside ``sync_grad_when(False)`` the
+    backward passes of every reducer only accumulate (no reduction is launched, as in
+    `Reducer.no_sync`); with True it does nothing. The reduction then runs once,
+    at ``optimizer.step()`` (or the first backward outside the block, for the async
+    reducer)::
+
+        for i, batch in enumerate(micro_batches):
+            with nnscaler.sync_grad_when(i == len(micro_batches) - 1):
+                model(batch).backward()
+        optimizer.step()
+    """
+    if cond:
+        yield
+        return
+    _skip_sync[0] += 1
+    try:
+        yield
+    finally:
+        _skip_sync[0] -= 1
 
 
 class Bucket:
@@ -313,7 +339,7 @@ class Reducer:
                 "the last micro-batch's backward inside `with reducer.no_sync():`"
             )
         bucket.adopt_grad(pi)
-        if self._no_sync:
+        if self._no_sync or _skip_sync[0]:
             return
         bucket.ready.add(pi)
         # launch in bucket order so every rank issues the collectives in the same order

@@ -8,7 +8,8 @@ round away), so `mixed_precision` turns any torch optimizer class into one that
 keeps, per parameter, an fp32 copy (``state['master_param']``) and fp32 optimizer state:
 at each step it casts the gradient to fp32, runs the wrapped algorithm on the master
 copy, and writes the result back, rounded, into the module's parameter.
-`MixedPrecisionAdamW` is ``mixed_precision(torch.optim.AdamW)``.
+`MixedPrecisionAdamW` is ``mixed_precision(torch.optim.AdamW)`` (they live in
+`nnscaler.runtime.f16_optimizer`, nnScaler's import path, and are re-exported here).
 
 The master copy lives in the optimizer state, one value per parameter element, so it is
 saved, deduped and merged by ``nnscaler.checkpoint`` like ``exp_avg``.
@@ -21,14 +22,18 @@ overflowed; after ``growth_interval`` clean steps it doubles the factor again.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from nnscaler.errors import NNScalerError
+from nnscaler.runtime.f16_optimizer import (
+    MixedPrecisionAdam,
+    MixedPrecisionAdamW,
+    MixedPrecisionError,
+    mixed_precision,
+)
 from nnscaler.trainer.args import TrainerArgs
 from nnscaler.trainer.collective import any_rank
 from nnscaler.trainer.errors import ConfigError
@@ -36,6 +41,7 @@ from nnscaler.trainer.errors import ConfigError
 __all__ = [
     "DTYPES",
     "DynamicLossScaler",
+    "MixedPrecisionAdam",
     "MixedPrecisionAdamW",
     "MixedPrecisionError",
     "Precision",
@@ -49,104 +55,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-
-class MixedPrecisionError(NNScalerError, ValueError):
-    """A precision setting that cannot work."""
-
-
-def _raw_step(cls: type) -> Any:
-    """``cls.step`` without torch's hook wrapper (the wrapper of our own class runs the
-    hooks once; the inner algorithm must not run them a second time)."""
-    step = cls.step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__
-    return step
-
-
-class _MixedPrecisionMixin:
-    """Master weights in fp32 for the parameters of lower precision (see module doc)."""
-
-    _nnscaler_base: type[torch.optim.Optimizer]
-
-    def _low_precision_params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.param_groups  # type: ignore[attr-defined]
-                for p in group["params"]
-                if p.is_floating_point() and p.dtype != torch.float32]
-
-    def step(self, closure: Any = None) -> Any:
-        """Run the wrapped optimizer on fp32 master copies of the low-precision params."""
-        swapped = []
-        for p in self._low_precision_params():
-            # the master leaves the state during the step: optimizers initialise their
-            # state when it is empty
-            master = self.state[p].pop("master_param", None)  # type: ignore[attr-defined]
-            if master is None:
-                master = p.detach().to(torch.float32)
-            low, grad = p.data, p.grad
-            p.grad = None
-            p.data = master
-            p.grad = None if grad is None else grad.to(torch.float32)
-            swapped.append((p, low, grad))
-        try:
-            loss = _raw_step(self._nnscaler_base)(self, closure)
-        finally:
-            for p, low, grad in swapped:
-                master = p.data
-                p.grad = None
-                p.data = low
-                p.grad = grad
-                with torch.no_grad():
-                    low.copy_(master)
-                self.state[p]["master_param"] = master  # type: ignore[attr-defined]
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, keeping the state of low-precision parameters (the master copies and
-        their moments) in fp32: torch casts floating state to each parameter's dtype,
-        so the parameters are shown to it as fp32 while it loads."""
-        lows = []
-        for group in self.param_groups:  # type: ignore[attr-defined]
-            for p in group["params"]:
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    lows.append((p, p.data, p.grad))
-                    p.grad = None
-                    p.data = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        try:
-            super().load_state_dict(state_dict)  # type: ignore[misc]
-        finally:
-            for p, low, grad in lows:
-                p.data = low
-                p.grad = grad
-
-
-@functools.cache
-def mixed_precision(optimizer_cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """A subclass of ``optimizer_cls`` that keeps fp32 master weights and fp32 state for
-    parameters of lower precision (fp32 parameters are updated as usual).
-
-    ``mixed_precision(torch.optim.SGD)(params, lr=0.1)`` is built like the original.
-    The same class is returned for the same ``optimizer_cls``.
-    """
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise MixedPrecisionError(
-            f"mixed_precision wraps a torch.optim.Optimizer subclass, got {optimizer_cls!r}. "
-            f"Fix: pass the optimizer class (e.g. torch.optim.AdamW), not a factory."
-        )
-    if issubclass(optimizer_cls, _MixedPrecisionMixin):
-        return optimizer_cls
-    name = f"MixedPrecision{optimizer_cls.__name__}"
-    cls = type(name, (_MixedPrecisionMixin, optimizer_cls), {
-        "_nnscaler_base": optimizer_cls,
-        "__module__": __name__,
-        "__doc__": f"{optimizer_cls.__name__} with fp32 master weights (see "
-                   f"nnscaler.trainer.precision).",
-    })
-    return cls
-
-
-MixedPrecisionAdamW = mixed_precision(torch.optim.AdamW)
-MixedPrecisionAdam = mixed_precision(torch.optim.Adam)
 
 
 class DynamicLossScaler:
@@ -213,13 +121,14 @@ class Precision:
         self.args = args
 
     @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.args.resolved_precision]
+    def dtype(self) -> torch.dtype | None:
+        """The module's dtype; None for ``precision: none`` (nothing is converted)."""
+        return DTYPES.get(self.args.resolved_precision)
 
     @property
     def module_dtype(self) -> torch.dtype | None:
-        """The dtype ``parallelize`` casts the module to (None: keep fp32)."""
-        return None if self.dtype == torch.float32 else self.dtype
+        """The dtype ``parallelize`` casts the module to (None: keep it as built)."""
+        return None if self.dtype in (torch.float32, None) else self.dtype
 
     def cast_input(self, batch: Any, device: torch.device) -> Any:
         """Move a batch to ``device``, floating tensors in the module's dtype."""
@@ -228,7 +137,7 @@ class Precision:
         def move(x: Any) -> Any:
             if not torch.is_tensor(x):
                 return x
-            if x.is_floating_point() and x.dtype != dtype:
+            if dtype is not None and x.is_floating_point() and x.dtype != dtype:
                 x = x.to(dtype)
             return x.to(device, non_blocking=True) if x.device != device else x
 
@@ -236,7 +145,7 @@ class Precision:
 
     def optimizer_class(self, opt_type: Any) -> Any:
         """``opt_type``, wrapped by `mixed_precision` below fp32."""
-        if self.args.resolved_precision == "fp32":
+        if self.args.resolved_precision in ("fp32", "none"):
             return opt_type
         if not (isinstance(opt_type, type) and issubclass(opt_type, torch.optim.Optimizer)):
             raise ConfigError(

@@ -46,6 +46,9 @@ KEYS: dict[str, str] = {
     "device_type": "plan for a named device ('cpu', 'H100', 'A100', ...) instead of this one",
     "profile_dir": "where measured op and communication times are cached",
     "verbose": "log every op's choice and the solver's progress",
+    "update_freq": "micro-batches per optimizer step (gradient accumulation; default 1): "
+                   "the step and the gradient sum are spread over them in the cost model",
+    "task_name": "a name for the run (nnScaler's label; logged above the plan)",
     "plot_path": "save a picture of the plan there (needs the [plot] extra)",
 }
 
@@ -86,6 +89,8 @@ class AutoDistConfig:
     max_partition_degree: int | None = None
     device_type: str | None = None
     profile_dir: Path = attrs.field(factory=default_profile_dir)
+    update_freq: int = 1
+    task_name: str | None = None
     verbose: bool = False
     plot_path: Path | None = None
 
@@ -183,4 +188,13 @@ def parse_config(pas_config: Mapping[str, Any] | None,
     if not isinstance(verbose, bool):
         raise _bad("verbose", verbose, "True or False")
     out["verbose"] = verbose
-    return AutoDistConfig(**out)
+    return AutoDistConfig(**out, **_nnscaler_keys(cfg))
+
+
+def _nnscaler_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """nnScaler's ``update_freq`` and ``task_name``, checked."""
+    task = cfg.get("task_name")
+    if task is not None and not isinstance(task, str):
+        raise _bad("task_name", task, "a str")
+    return {"update_freq": _positive_int("update_freq", cfg.get("update_freq", 1)),
+            "task_name": task}

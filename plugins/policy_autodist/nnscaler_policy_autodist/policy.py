@@ -109,7 +109,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     nmicros = cfg.pipeline_nmicros or 1
     model = CostModel(profiler=profiler, comm=CommModel(spec), units=units, zero=zero,
                       recompute=recompute, allowed=allowed,
-                      max_degree=cfg.max_partition_degree, micro_batches=nmicros,
+                      max_degree=cfg.max_partition_degree,
+                      micro_batches=nmicros * cfg.update_freq,
                       share=core_share() if here else 1.0)
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
@@ -132,6 +133,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     result = AutoDistResult(config=cfg, plan_ngpus=n, pipeline=pipe, problems=tuple(problems),
                             solutions=tuple(solutions), limit=limit,
                             search_seconds=time.perf_counter() - t0, profiled=profiler.profiled)
+    if cfg.task_name is not None:
+        logger.info("autodist plan of task %r:", cfg.task_name)
     logger.info("%s", report.text(result))
     if cfg.save_plan_path is not None:
         planfile.save(cfg.save_plan_path, result)

@@ -4,6 +4,7 @@ profile of an op too large to run, plans for a named device, plots."""
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 from hypothesis import given
