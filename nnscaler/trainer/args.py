@@ -33,6 +33,13 @@ from nnscaler.trainer.fields import (
     positive,
     resolve_object,
 )
+from nnscaler.trainer.options import (
+    DebugConfig,
+    ModuleParallelizeConfig,
+    OptionalComputeConfig,
+    ResumeOptions,
+)
+from nnscaler.trainer.values import create_kwarg
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -44,21 +51,32 @@ __all__ = [
     "DataloaderConfig",
     "DatasetConfig",
     "DatasetSamplerConfig",
+    "DebugConfig",
     "HOOK_NAMES",
     "HookConfig",
     "HookMapConfig",
     "LRSchedulerConfig",
     "LogConfig",
     "ModelConfig",
+    "ModuleParallelizeConfig",
     "OptimizerConfig",
+    "OptionalComputeConfig",
+    "ResumeOptions",
     "TrainerArgs",
     "TypeRef",
     "default_policy",
+    "load_type",
     "resolve_object",
 ]
 
 
 _log = logging.getLogger("nnscaler.cli.trainer")
+
+
+def load_type(name: str | Any) -> Any:
+    """nnScaler's ``load_type``: the class or function at the import path ``name``
+    (``'torch.optim.AdamW'``), or ``name`` itself when it is not a string."""
+    return resolve_object(name, "load_type")
 
 #: The Trainer's default policy, as in nnScaler: from the ``nnscaler-policy-autodist``
 #: plugin.
@@ -91,7 +109,15 @@ def default_policy(compute_config: ComputeConfig, registered: Any = None) -> str
               DEFAULT_POLICY, ONE_DEVICE_POLICY, ONE_DEVICE_POLICY)
     return ONE_DEVICE_POLICY
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
+_PRECISIONS = ("fp32", "bf16", "fp16", "none")
+
+#: nnScaler ``TrainerArgs`` fields without a counterpart, and what to write instead.
+_NNSCALER_ONLY = {
+    "dummy_sample_gen_fn": "the Trainer traces with the first micro-batch of the training "
+                           "dataset (built without touching any RNG). Fix: remove it.",
+    "log_progress_every_n_train_steps": "write log_every_n_steps (it paces the progress "
+                                        "line and the metric loggers alike).",
+}
 
 
 @dataclass(kw_only=True)
@@ -104,15 +130,33 @@ class ModelConfig(Checked):
     ([`nnscaler.load_pretrained`][nnscaler.load_pretrained]; a checkpoint to resume from still
     wins). With ``compute_config.trace_strategy='meta'`` the model is built with its parameters on
     the meta device ([`nnscaler.meta_parameters`][nnscaler.meta_parameters]), so no process ever
-    holds all of it."""
+    holds all of it.
+
+    ``parallel_modules``: nnScaler's submodule form (`ModuleParallelizeConfig`): only
+    those submodule types are parallelized, and the model around them runs as written."""
 
     type: TypeRef
     args: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None
+    parallel_modules: list[ModuleParallelizeConfig] = field(default_factory=list)
     _key: str = key_field()
 
     def __post_init__(self) -> None:
         self._check(self._key or "model")
+
+    def _validate(self, prefix: str) -> None:
+        types = [resolve_object(m.type, f"{prefix}parallel_modules.{i}.type")
+                 for i, m in enumerate(self.parallel_modules)]
+        if len(set(types)) != len(types):
+            raise ConfigError(
+                f"{prefix}parallel_modules names a type twice: each type is parallelized "
+                f"once (all its instances share the plan). Fix: one entry per type; for two "
+                f"plans, subclass it (class Alias(Block): pass) and use the alias.",
+                f"{prefix}parallel_modules")
+        if self.parallel_modules and resolve_object(self.type, f"{prefix}type") in types:
+            raise ConfigError(f"{prefix}parallel_modules cannot name the model's own type; "
+                              f"parallelize the whole model by leaving parallel_modules "
+                              f"empty.", f"{prefix}parallel_modules")
 
 
 @dataclass(kw_only=True)
@@ -151,6 +195,7 @@ class DatasetConfig(Checked):
     type: TypeRef
     train_args: dict[str, Any] = field(default_factory=dict)
     val_args: dict[str, Any] = field(default_factory=dict)
+    test_args: dict[str, Any] = field(default_factory=dict)
     _key: str = key_field()
 
     def __post_init__(self) -> None:
@@ -234,8 +279,16 @@ class CheckpointConfig(Checked):
     (``'merged'``), plus ``last`` and ``best`` (links, or copies with
     ``symlink_best_and_last=False``). ``resume_from`` is ``'last'``, ``'best'``, a
     checkpoint folder or merged file, or None; ``'last'``/``'best'`` that do not exist yet
-    start from scratch.
+    start from scratch. It may also be a `ResumeOptions` mapping (nnScaler's form:
+    ``checkpoint``, ``convert_fn``, ``with_merged``).
     """
+
+    @property
+    def resume_options(self) -> ResumeOptions | None:
+        """``resume_from`` as `ResumeOptions` (None when not resuming)."""
+        if self.resume_from is None or isinstance(self.resume_from, ResumeOptions):
+            return self.resume_from
+        return ResumeOptions(checkpoint=self.resume_from, _key=f"{self._key}.resume_from")
 
     save_dir: str = "./checkpoints"
     no_save: bool = False
@@ -246,7 +299,7 @@ class CheckpointConfig(Checked):
     every_n_train_steps: int | None = None
     every_n_epochs: int | None = None
     keep_last_n_checkpoints: int | None = None
-    resume_from: str | None = None
+    resume_from: str | ResumeOptions | None = None
     _key: str = key_field()
 
     def __post_init__(self) -> None:
@@ -352,6 +405,8 @@ class TrainerArgs(Checked):
     optimizer: OptimizerConfig
     dataset: DatasetConfig
 
+    vars: dict[str, Any] = field(default_factory=dict)
+    init_module: str | None = None
     gen_savedir: str = "./.nnscaler"
     gen_reuse: str = "auto"
     pas_policy: str | Callable[..., Any] = DEFAULT_POLICY
@@ -366,8 +421,9 @@ class TrainerArgs(Checked):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: list[LogConfig] = field(default_factory=list)
     hook: HookConfig | HookMapConfig | None = None
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
-    precision: str | None = None
+    precision: str | dict[str, str] | None = None
 
     micro_batch_size: int = 1
     global_batch_size: int | None = None
@@ -404,6 +460,12 @@ class TrainerArgs(Checked):
                 f"{prefix}gen_reuse")
         choice(self.broadcast_strategy, ("none", "all", "no_weights", "code"),
                 f"{prefix}broadcast_strategy")
+        if isinstance(self.precision, dict):
+            raise ConfigError(
+                f"{prefix}precision is a mapping {self.precision!r}: nnScaler's per-tensor "
+                f"form (param / buffer / input) is not supported here, where the module, its "
+                f"buffers and the inputs share one dtype (with fp32 master weights in the "
+                f"optimizer). Fix: one of {list(_PRECISIONS)}.", f"{prefix}precision")
         if self.precision is not None:
             choice(self.precision, _PRECISIONS, f"{prefix}precision")
         for name in ("micro_batch_size", "log_every_n_steps"):
@@ -480,8 +542,48 @@ class TrainerArgs(Checked):
 
     @property
     def resolved_precision(self) -> str:
-        """``'fp32'``, ``'bf16'`` or ``'fp16'`` (None means fp32)."""
+        """``'fp32'``, ``'bf16'``, ``'fp16'`` or ``'none'`` (no conversion: the module,
+        inputs and optimizer as they are); None means fp32."""
         return self.precision or "fp32"
+
+    # -- nnScaler's builders ------------------------------------------------------------
+    @property
+    def resolved_vars(self) -> dict[str, Any]:
+        """``vars`` with its objects built (what ``$!(vars.x)`` reads); built once."""
+        built = self.__dict__.get("_resolved_vars")
+        if built is None:
+            built = create_kwarg(self.vars, None, "vars")
+            self.__dict__["_resolved_vars"] = built
+        return built
+
+    def create_kwarg(self, value: Any, key: str = "args") -> Any:
+        """``value`` with nnScaler's object forms built (``__type``, ``__value_type``,
+        ``$!(vars.x)``, ``$!(self)``; see `nnscaler.trainer.values`)."""
+        return create_kwarg(value, self, key)
+
+    def create_dataset(self, stage: str = "train") -> Any:
+        """The dataset of ``stage`` (``'train'``, ``'val'`` or ``'test'``):
+        ``dataset.type(**<stage>_args)``; None for ``'val'`` / ``'test'`` with no arguments
+        (the training dataset is built even without any), as in nnScaler."""
+        choice(stage, ("train", "val", "test"), "stage")
+        stage_args = getattr(self.dataset, f"{stage}_args")
+        if not stage_args and stage != "train":
+            return None
+        cls = resolve_object(self.dataset.type, "dataset.type")
+        return cls(**self.create_kwarg(stage_args, f"dataset.{stage}_args"))
+
+    @classmethod
+    def from_cli(cls, argv: list[str]) -> TrainerArgs:
+        """nnScaler's ``TrainerArgs.from_cli(['-f', 'config.yaml', '--key', 'value', ...])``:
+        the YAML file, the overrides, then the ``$(...)`` references resolved."""
+        from nnscaler.trainer.cmdline import parse_args
+
+        return parse_args(list(argv))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> TrainerArgs:
+        """``from_cli(['-f', path])``."""
+        return cls.from_cli(["-f", str(path)])
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerArgs:
@@ -489,4 +591,17 @@ class TrainerArgs(Checked):
         if not isinstance(data, Mapping):
             raise ConfigError(f"the configuration must be a mapping of TrainerArgs fields, "
                               f"got {type(data).__name__}.")
+        for name, why in _NNSCALER_ONLY.items():
+            if name in data:
+                raise ConfigError(f"{name}: nnScaler's TrainerArgs field is not supported "
+                                  f"here: {why}", name)
+        init_module = data.get("init_module")
+        if init_module:
+            import importlib
+
+            try:
+                importlib.import_module(init_module)
+            except ImportError as e:
+                raise ConfigError(f"init_module: cannot import {init_module!r} ({e}). Fix: "
+                                  f"check the module path and sys.path.", "init_module") from e
         return from_mapping(cls, data, "")

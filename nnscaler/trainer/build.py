@@ -95,27 +95,26 @@ class Builder:
         """The datasets and, with ``loaders``, their samplers (this unit's share) and
         data loaders."""
         t, args = self.trainer, self.trainer.args
-        dataset_cls = resolve_object(args.dataset.type, "dataset.type")
-        t.train_dataset = dataset_cls(**args.dataset.train_args)
-        if args.dataset.val_args:
-            t.val_dataset = dataset_cls(**args.dataset.val_args)
+        t.train_dataset = args.create_dataset("train")
+        t.val_dataset = args.create_dataset("val")
         if not loaders:
             return
         sampler_cls = resolve_object(args.dataset_sampler.type, "dataset_sampler.type")
         loader_cls = resolve_object(args.dataloader.type, "dataloader.type")
         units = args.compute_config.scale_units
+        kw = args.create_kwarg
         sampler = sampler_cls(t.train_dataset, num_replicas=units, rank=t.unit_rank,
-                              **args.dataset_sampler.train_args)
+                              **kw(args.dataset_sampler.train_args))
         t.train_sampler = SkipSampler(sampler)
         t.train_loader = loader_cls(t.train_dataset, batch_size=args.micro_batch_size,
-                                    sampler=t.train_sampler, **args.dataloader.train_args)
+                                    sampler=t.train_sampler, **kw(args.dataloader.train_args))
         if t.val_dataset is not None:
-            val_sampler_args = {"shuffle": False, **args.dataset_sampler.val_args}
+            val_sampler_args = {"shuffle": False, **kw(args.dataset_sampler.val_args)}
             val_sampler = sampler_cls(t.val_dataset, num_replicas=units,
                                       rank=t.unit_rank, **val_sampler_args)
             val_loader_args = args.dataloader.val_args or args.dataloader.train_args
             t.val_loader = loader_cls(t.val_dataset, batch_size=args.micro_batch_size,
-                                      sampler=val_sampler, **val_loader_args)
+                                      sampler=val_sampler, **kw(val_loader_args))
 
     def make_dummy_input(self) -> None:
         """A first batch for tracing, built without touching any RNG (so training draws
@@ -156,8 +155,8 @@ class Builder:
                 from nnscaler.checkpoint import meta_parameters
 
                 with meta_parameters():
-                    return cls(**args.model.args)
-            model = cls(**args.model.args)
+                    return cls(**args.create_kwarg(args.model.args, "model.args"))
+            model = cls(**args.create_kwarg(args.model.args, "model.args"))
             if args.tracing_from_weights is not None:
                 from nnscaler.checkpoint import load
 
@@ -197,6 +196,28 @@ class Builder:
             broadcast_strategy=strategy,
         )
 
+    def build_model(self) -> torch.nn.Module:
+        """The model to train: the parallel module of the whole model, or (with
+        ``model.parallel_modules``) the model with those submodules parallelized."""
+        t, args = self.trainer, self.trainer.args
+        if args.model.parallel_modules:
+            from nnscaler.trainer.submodules import build_with_parallel_submodules
+
+            return build_with_parallel_submodules(t, load_module=True, model_fn=self._module_fn())
+        cls = self.parallelize(load_module=True)
+        return cls(init_params=not self.meta_parameters())
+
+    def compile_model(self) -> None:
+        """Generate the code of every rank (``run_mode='compile'``)."""
+        args = self.trainer.args
+        if args.model.parallel_modules:
+            from nnscaler.trainer.submodules import build_with_parallel_submodules
+
+            build_with_parallel_submodules(self.trainer, load_module=False,
+                                           model_fn=self._module_fn())
+            return
+        self.parallelize(load_module=False)
+
     def _forward_arg_name(self) -> str:
         import inspect
 
@@ -221,7 +242,9 @@ class Builder:
         opt_type = resolve_object(args.optimizer.type, "optimizer.type")
         opt_type = t.precision.optimizer_class(opt_type)
         t.loss_scaler = t.precision.loss_scaler()
-        t.optimizer = build_optimizer(t.model, opt_type, **args.optimizer.args)
+        t.optimizer = build_optimizer(t.model, opt_type,
+                                      **args.create_kwarg(args.optimizer.args, "optimizer.args"))
         if args.lr_scheduler is not None:
             sched_type = resolve_object(args.lr_scheduler.type, "lr_scheduler.type")
-            t.lr_scheduler = sched_type(t.optimizer, **args.lr_scheduler.args)
+            t.lr_scheduler = sched_type(t.optimizer, **args.create_kwarg(
+                args.lr_scheduler.args, "lr_scheduler.args"))

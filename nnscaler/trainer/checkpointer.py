@@ -49,9 +49,15 @@ class Checkpointer:
 
     def plan_fingerprint(self) -> str:
         """A digest of this rank's generated code: equal digests, equal plan."""
+        from nnscaler.runtime.module import ParallelModule
+
         t = self.trainer
-        path = Path(type(t.model).generated_dir()) / gencode_name(t.rank)
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        digest = hashlib.sha256()
+        classes = dict.fromkeys(type(m) for m in t.model.modules()
+                                if isinstance(m, ParallelModule))
+        for cls in classes:  # the whole model, or each parallel submodule type
+            digest.update((Path(cls.generated_dir()) / gencode_name(t.rank)).read_bytes())
+        return digest.hexdigest()[:16]
 
     def status(self) -> dict[str, Any]:
         """The training position and the numbers saved with it."""
@@ -188,26 +194,38 @@ class Checkpointer:
     # -- resuming -----------------------------------------------------------------------
     def resume(self) -> None:
         """Load ``checkpoint.resume_from`` when it exists (``'last'`` after a restart of
-        a self-healing job)."""
+        a self-healing job). A `ResumeOptions` may name a merged file of any name
+        (``Trainer.merge_checkpoint``'s output), with a ``convert_fn`` for its contents,
+        and force (``with_merged``) or forbid loading a folder through the merged state."""
         cfg = self.trainer.args.checkpoint
-        resume_from = cfg.resume_from
+        options = cfg.resume_options
+        resume_from = options.checkpoint if options is not None else None
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if resume_from is None and restarts > 0:
             # a restarted attempt of a self-healing run: carry on from the last checkpoint
             resume_from = "last"
             logger.info("Restart %d of this job: resuming from the last checkpoint.", restarts)
+        if resume_from is not None and layout.is_merged_file(resume_from):
+            self.load_merged_file(resume_from, options.convert_fn if options else None)
+            return
+        if options is not None and options.convert_fn is not None:
+            raise TrainerError(
+                f"checkpoint.resume_from.convert_fn converts a merged checkpoint file, but "
+                f"{resume_from!r} is a checkpoint folder. Fix: merge it first "
+                f"(Trainer.merge_checkpoint) and resume from the file, or drop convert_fn.")
         folder = layout.resolve_resume(resume_from, cfg.save_dir)
         if folder is None:
             if resume_from is not None:
                 logger.info("No %r checkpoint in %s yet: starting from scratch.", resume_from,
                             cfg.save_dir)
             return
-        self.load(folder)
+        self.load(folder, with_merged=options.with_merged if options else None)
 
-    def load(self, folder: str | os.PathLike[str]) -> None:
+    def load(self, folder: str | os.PathLike[str], with_merged: bool | None = None) -> None:
         """Restore everything from a checkpoint folder (collective). The same world size
         and plan restore each rank's own file; otherwise the checkpoint is merged and cut
-        into this plan's pieces."""
+        into this plan's pieces. ``with_merged``: True always takes the second way,
+        False refuses it (nnScaler's ``ResumeOptions.with_merged``)."""
         t = self.trainer
         folder = Path(folder)
         meta = layout.read_meta(folder)
@@ -215,10 +233,43 @@ class Checkpointer:
         mine = self.plan_fingerprint()
         same = (meta["save_type"] != "merged" and meta["world_size"] == t.world_size
                 and meta["plans"][t.rank] == mine)
-        if agree(same, t.device):
+        same = agree(same, t.device)
+        if with_merged is False and not same:
+            raise TrainerError(
+                f"checkpoint.resume_from.with_merged is false, so {folder} must be this "
+                f"plan's own per-rank files, but it was saved by {meta['world_size']} ranks "
+                f"({meta['save_type']}) with another plan or world size than this job's "
+                f"{t.world_size}. Fix: set with_merged to null (or true) to reshard it.")
+        if same and not with_merged:
             state, rng = self._load_own(folder, meta)
         else:
             state, rng = self._load_resharded(folder, meta)
+        self._restore_rest(folder, state, rng)
+
+    def load_merged_file(self, path: str | os.PathLike[str], convert_fn: Any = None) -> None:
+        """Restore from one merged file (what ``Trainer.merge_checkpoint`` writes), cut
+        into this plan's pieces; ``convert_fn`` (a function or its import path) first
+        turns the file's contents into this format (collective)."""
+        from nnscaler import checkpoint as ck
+        from nnscaler.trainer.fields import resolve_object
+
+        t = self.trainer
+        logger.info("Resuming from merged checkpoint %s", path)
+        state = ck.load(path, map_location="cpu")
+        if convert_fn is not None:
+            state = resolve_object(convert_fn, "checkpoint.resume_from.convert_fn")(state)
+        for part in ("model", "optimizer", "train_status"):
+            if part not in state:
+                raise TrainerError(
+                    f"{path}: a merged Trainer checkpoint holds 'model', 'optimizer' and "
+                    f"'train_status'; this one has {sorted(state)}. Fix: give a convert_fn "
+                    f"(checkpoint.resume_from.convert_fn) that returns that form.")
+        ck.load_merged_state_dicts(t.model, state["model"], t.optimizer, state["optimizer"])
+        self._restore_rest(Path(path), {"lr_scheduler": None, "loss_scaler": None,
+                                        **state}, None)
+
+    def _restore_rest(self, folder: Path, state: dict[str, Any], rng: Any) -> None:
+        t = self.trainer
         if t.lr_scheduler is not None and state["lr_scheduler"] is not None:
             t.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if t.loss_scaler is not None and state["loss_scaler"] is not None:

@@ -33,6 +33,7 @@ __all__ = [
     "TrainerCheckpointError",
     "complete_checkpoints",
     "get_rng_states",
+    "is_merged_file",
     "rank_file",
     "resolve_resume",
     "set_rng_states",
@@ -103,6 +104,15 @@ def resolve_resume(resume_from: str | None, save_dir: str | os.PathLike[str]) ->
         path = path.parent
     read_meta(path)
     return path
+
+
+def is_merged_file(resume_from: str | os.PathLike[str]) -> bool:
+    """Whether ``resume_from`` is a single merged file (``Trainer.merge_checkpoint``'s
+    output) rather than a checkpoint folder or the merged file inside one."""
+    path = Path(resume_from)
+    if str(resume_from) in ("last", "best") or not path.is_file():
+        return False
+    return not (path.name == MERGED_FILE and (path.parent / META_FILE).is_file())
 
 
 # -- writing ---------------------------------------------------------------------------

@@ -4,10 +4,13 @@
 The YAML file holds the fields of ``TrainerArgs``; it is read with ``yaml.safe_load``
 rules (no object is built from a tag; classes and functions are named by import path).
 Each ``--dotted.key value`` overrides one entry (``--compute_config.plan_ngpus 2``,
-``--log.0.args.root_dir runs``); values are read as YAML scalars (``1e-3`` is a number,
-``true`` a bool, ``null`` None, ``[1, 2]`` a list). An unknown key, a wrong type or a
-missing required field stops with an error that names the dotted key, and the closest
-valid key for a typo.
+``--log.0.args.root_dir runs``; an index one past a list's end appends to it);
+``--dotted.key!`` removes the entry (nnScaler's form; ``-`` in a key reads as ``_``);
+values are read as YAML scalars (``1e-3`` is a number, ``true`` a bool, ``null`` None,
+``[1, 2]`` a list). Then nnScaler's ``$(dotted.key)`` references are resolved
+(`nnscaler.trainer.values.resolve_references`: ``$(vars.dim)``). An unknown key, a
+wrong type or a missing required field stops with an error that names the dotted key,
+and the closest valid key for a typo.
 
 The ``nnscaler-train`` command (`nnscaler.cli.train`) calls `parse_args`;
 so does ``Trainer(argv)``, nnScaler's other way in, without going through the command.
@@ -25,6 +28,7 @@ import yaml
 
 from nnscaler.trainer.args import TrainerArgs
 from nnscaler.trainer.errors import ConfigError
+from nnscaler.trainer.values import resolve_references
 
 __all__ = ["ConfigLoader", "apply_overrides", "load_yaml", "parse_args", "parse_value"]
 
@@ -71,6 +75,9 @@ def parse_value(text: str) -> Any:
         return text
 
 
+_REMOVE = object()
+
+
 def _set(config: MutableMapping[str, Any], dotted: str, value: Any) -> None:
     node: Any = config
     parts = dotted.split(".")
@@ -78,18 +85,28 @@ def _set(config: MutableMapping[str, Any], dotted: str, value: Any) -> None:
         last = i == len(parts) - 1
         where = ".".join(parts[: i + 1])
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
+            if not part.isdigit() or int(part) > len(node) or (
+                    value is _REMOVE and int(part) == len(node)):
                 raise ConfigError(f"--{dotted}: {where} indexes a list of {len(node)} "
-                                  f"entries; use 0..{len(node) - 1}.", dotted)
-            if last:
+                                  f"entries; use 0..{len(node) - 1} (or {len(node)} to "
+                                  f"append).", dotted)
+            if int(part) == len(node):
+                node.append(None if last else {})
+            if last and value is _REMOVE:
+                node.pop(int(part))
+            elif last:
                 node[int(part)] = value
             else:
+                if node[int(part)] is None:
+                    node[int(part)] = {}
                 node = node[int(part)]
             continue
         if not isinstance(node, MutableMapping):
             raise ConfigError(f"--{dotted}: {'.'.join(parts[:i])} is {node!r}, not a mapping; "
                               f"set it as a whole instead.", dotted)
-        if last:
+        if last and value is _REMOVE:
+            node.pop(part, None)
+        elif last:
             node[part] = value
         else:
             if node.get(part) is None:
@@ -109,12 +126,16 @@ def apply_overrides(config: MutableMapping[str, Any], overrides: Sequence[str]) 
         if "=" in key:
             key, text = key.split("=", 1)
             i += 1
+        elif key.endswith("!"):
+            _set(config, key[:-1].replace("-", "_"), _REMOVE)
+            i += 1
+            continue
         else:
             if i + 1 >= len(overrides):
                 raise ConfigError(f"--{key} has no value. Fix: `--{key} VALUE`.", key)
             text = overrides[i + 1]
             i += 2
-        _set(config, key, parse_value(text))
+        _set(config, key.replace("-", "_"), parse_value(text))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,4 +162,4 @@ def parse_args(argv: Sequence[str]) -> TrainerArgs:
     apply_overrides(config, rest)
     if mode is not None:
         config["run_mode"] = mode
-    return TrainerArgs.from_dict(config)
+    return TrainerArgs.from_dict(resolve_references(config))

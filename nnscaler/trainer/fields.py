@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -210,6 +211,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
                               f"{value!r}.", key)
         return float(value)
     if hint is str:
+        if isinstance(value, os.PathLike):  # a Path, as nnScaler's users pass gen_savedir
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {type(value).__name__} "
                               f"{value!r}.", key)
@@ -235,9 +238,14 @@ def _compute_config(value: Any, key: str) -> ComputeConfig:
             raise ConfigError(f"{key}.{k} is not a field of ComputeConfig."
                               f"{_closest(str(k), valid)}",
                               f"{key}.{k}")
-    for req in ("plan_ngpus", "runtime_ngpus"):
-        if req not in value:
-            raise ConfigError(f"{key}.{req} is required (missing).", f"{key}.{req}")
+    if "plan_ngpus" not in value:
+        raise ConfigError(f"{key}.plan_ngpus is required (missing).", f"{key}.plan_ngpus")
+    if "runtime_ngpus" not in value and not os.environ.get("WORLD_SIZE", "").strip():
+        # nnScaler's default: the job's $WORLD_SIZE (ComputeConfig takes it when left out)
+        raise ConfigError(
+            f"{key}.runtime_ngpus is missing and $WORLD_SIZE is not set (torchrun sets it; "
+            f"a YAML without runtime_ngpus means the job's world size). Fix: launch with "
+            f"torchrun, or set {key}.runtime_ngpus.", f"{key}.runtime_ngpus")
     try:
         return ComputeConfig(**value)
     except (ComputeConfigError, TypeError, ValueError) as e:

@@ -42,7 +42,8 @@ def build_hooks(args: TrainerArgs, optimizer: Any, lr_scheduler: Any) -> list[An
     hooks: list[Any] = [obj for obj in (optimizer, lr_scheduler) if isinstance(obj, TrainHook)]
     cfg = args.hook
     if isinstance(cfg, HookConfig):
-        hooks.append(resolve_object(cfg.type, "hook.type")(**cfg.args))
+        hook_cls = resolve_object(cfg.type, "hook.type")
+        hooks.append(hook_cls(**args.create_kwarg(cfg.args, "hook.args")))
     elif isinstance(cfg, HookMapConfig):
         hooks.append(_MapHook(cfg))
     return hooks

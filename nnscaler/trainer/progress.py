@@ -66,7 +66,7 @@ class Progress:
                 cls = get_plugin_manager().loggers.get(ref)
             else:
                 cls = resolve_object(ref, f"log.{i}.type")
-            log = cls(**cfg.args)
+            log = cls(**t.args.create_kwarg(cfg.args, f"log.{i}.args"))
             log.setup(t.args.to_dict())
             t.loggers.append(log)
 

@@ -163,7 +163,13 @@ class StepLoop:
         scale_fn = self._loss_scale_fn()
         call_hooks(t.hooks, "before_zero_grad", t)
         # train_step zeroes the gradients first
-        outputs = t.model.train_step(batches, scale_fn=scale_fn)
+        if args.model.parallel_modules:  # the whole model around its parallel submodules
+            from nnscaler.trainer import submodules
+
+            t.optimizer.zero_grad()
+            outputs = submodules.train_step(t.model, batches, scale_fn)
+        else:
+            outputs = t.model.train_step(batches, scale_fn=scale_fn)
         call_hooks(t.hooks, "after_zero_grad", t)
         agg = self.aggregate(outputs)
         loss = agg.loss_sum / agg.num_batches if args.optimizer.loss_reduction == "mean" \
@@ -221,12 +227,16 @@ class StepLoop:
 
     def _clip_and_step(self) -> None:
         t, args = self.trainer, self.trainer.args
-        t.last_gnorm = math.nan
-        if args.optimizer.clip_gnorm:
-            call_hooks(t.hooks, "before_gnorm_clip", t)
-            gnorm = t.optimizer.clip_gnorm(args.optimizer.clip_gnorm)
-            t.last_gnorm = gnorm
-            call_hooks(t.hooks, "after_gnorm_clip", t, gnorm)
+        if args.debug.check_gradient_sync_cross_devices:
+            from nnscaler.trainer.debug import check_gradient_sync
+
+            check_gradient_sync(t.model, t.optimizer)
+        # as in nnScaler, the norm is computed (and the hooks run) every step; it is
+        # clipped only when optimizer.clip_gnorm is set
+        call_hooks(t.hooks, "before_gnorm_clip", t)
+        gnorm = t.optimizer.clip_gnorm(args.optimizer.clip_gnorm or None)
+        t.last_gnorm = gnorm
+        call_hooks(t.hooks, "after_gnorm_clip", t, gnorm)
         call_hooks(t.hooks, "before_optimizer_step", t)
         t.optimizer.step()
         call_hooks(t.hooks, "after_optimizer_step", t)
@@ -292,7 +302,12 @@ class StepLoop:
             if len(group) < args.update_freq:
                 continue
             call_hooks(t.hooks, "on_val_step_start", t, group)
-            outputs = t.model.infer_step(group)
+            if t.args.model.parallel_modules:
+                from nnscaler.trainer import submodules
+
+                outputs = submodules.infer_step(t.model, group)
+            else:
+                outputs = t.model.infer_step(group)
             call_hooks(t.hooks, "on_val_step_end", t, outputs)
             agg = self.aggregate(outputs)
             total += agg.loss_sum

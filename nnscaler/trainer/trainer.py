@@ -115,8 +115,25 @@ class Trainer:
         return self.loop.steps_per_epoch
 
     @property
+    def total_train_steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch (nnScaler's name of `steps_per_epoch`)."""
+        return self.loop.steps_per_epoch
+
+    @property
     def total_train_steps(self) -> int | None:
         return self.loop.total_train_steps
+
+    @classmethod
+    def merge_checkpoint(cls, checkpoint_files: list[str | os.PathLike[str]],
+                         output_file: str | os.PathLike[str]) -> None:
+        """Merge the per-rank files of one checkpoint (every rank's, sharded or deduped)
+        into one file that the original (single-device) model and optimizer load, and
+        that ``checkpoint.resume_from`` accepts for any plan (nnScaler's classmethod; one
+        process, no process group). The file is written under a temporary name, then
+        renamed."""
+        from nnscaler.trainer.merge import merge_checkpoint_files
+
+        merge_checkpoint_files(checkpoint_files, output_file)
 
     # -- the phases of a run ------------------------------------------------------------
     def run(self) -> None:
@@ -137,7 +154,7 @@ class Trainer:
         self.builder.seed()
         self.builder.build_datasets(loaders=False)
         self.builder.make_dummy_input()
-        self.builder.parallelize(load_module=False)
+        self.builder.compile_model()
         logger.info("Compiled %s for %d ranks into %s",
                     self.builder.model_class().__qualname__,
                     args.compute_config.runtime_ngpus, args.gen_savedir)
@@ -154,8 +171,7 @@ class Trainer:
         build.seed()
         build.build_datasets(loaders=True)
         build.make_dummy_input()
-        cls = build.parallelize(load_module=True)
-        self.model = cls(init_params=not build.meta_parameters())
+        self.model = build.build_model()
         if args.model.pretrained is not None:
             from nnscaler.checkpoint import load_pretrained
 

@@ -175,7 +175,7 @@ BAD = [
     ("lr_scheduler.interval", "steps", "lr_scheduler.interval", "Did you mean 'step'"),
     ("dataset", _DELETE, "dataset", "dataset is required"),
     ("model.type", _DELETE, "model.type", "model.type is required"),
-    ("compute_config.runtime_ngpus", _DELETE, "compute_config.runtime_ngpus", "required"),
+    ("compute_config.runtime_ngpus", _DELETE, "compute_config.runtime_ngpus", "WORLD_SIZE"),
     ("model.type", "cli.common.MPL", "model.type", "cannot import 'cli.common.MPL'"),
     ("dataset.type", "no_such_package.Data", "dataset.type", "cannot import"),
     ("optimizer.type", "torch.optim.AdamWW", "optimizer.type", "has no attribute 'AdamWW'"),
@@ -185,7 +185,7 @@ BAD = [
     ("compute_config.use_end2end", False, "compute_config.use_end2end", "must be true"),
     ("compute_config.plan_ngpus", 4, "compute_config", "multiple of plan_ngpus"),
     ("global_batch_size", 6, "global_batch_size", "multiple of micro_batch_size"),
-    ("precision", "fp8", "precision", "must be one of ['fp32', 'bf16', 'fp16']"),
+    ("precision", "fp8", "precision", "must be one of ['fp32', 'bf16', 'fp16', 'none']"),
     ("dataloader.train_args.batch_size", 4, "dataloader.train_args.batch_size",
      "set by the Trainer"),
 ]

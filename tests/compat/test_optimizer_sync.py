@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 from dist_utils import run_distributed
-
 from parallel.common import ADAM, make_batch, make_model
 
 

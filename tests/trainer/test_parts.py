@@ -18,6 +18,9 @@ STAR_NAMES = [
     "DataloaderConfig", "DatasetConfig", "DatasetSamplerConfig", "HookConfig",
     "HookMapConfig", "LRSchedulerConfig", "LogConfig", "ModelConfig", "OptimizerConfig",
     "TrainerArgs", "resolve_object",
+    # nnScaler 0.8's (docs/migrating.md)
+    "DebugConfig", "ModuleParallelizeConfig", "OptionalComputeConfig", "ResumeOptions",
+    "load_type",
 ]
 
 
