@@ -6,8 +6,8 @@ rest of the model, which run plain data parallel across scale units through
 ``optimizer._non_parallel_module_reducer``. Patched in:
 
 - before ``step()``: `sync_shard_grad` (every reducer sums its gradients, once: the
-  gradients count as synced until ``zero_grad()`` or the model's next forward with grad
-  enabled, as in nnScaler, so ``clip_gnorm()`` after ``step()`` does not sum them again);
+  gradients count as synced until ``zero_grad()`` or the next backward that adds to
+  them, so ``clip_gnorm()`` after ``step()`` does not sum them again, as in nnScaler);
 - after ``step()``: every module's ``gather_params()`` (ZeRO: all-gather the shards);
 - ``zero_grad()`` also zeroes the modules' gradient buffers;
 - utilities ``sync_shard_grad()``, ``scale_grads(factor)``, ``clip_gnorm(max_norm)``,
@@ -195,7 +195,7 @@ def build_optimizer(
                         f"{type(optimizer).__name__}")
     state = _OptimizerState(pms, reducer, copies)
     _patch(optimizer, state)
-    _reset_sync_on_forward(module, pms, state)
+    _reset_sync_on_new_grads(module, state)
     if pms:
         # state_dict() records which tensor each entry is, so checkpoints merge whatever
         # the parameter groups, and load_state_dict() checks it (nnscaler.checkpoint)
@@ -308,18 +308,19 @@ def _patch(optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-def _reset_sync_on_forward(module: torch.nn.Module, pms: Sequence[ParallelModule],
-                           state: _OptimizerState) -> None:
-    """New gradients come only from a forward with grad enabled: that is where the synced
-    flag is cleared (nnScaler's rule). Clearing it after ``step()`` instead would let a
-    ``clip_gnorm()`` called after the step sum the already-summed gradients again."""
+def _reset_sync_on_new_grads(module: torch.nn.Module, state: _OptimizerState) -> None:
+    """The synced flag is cleared when a new gradient is accumulated into any parameter
+    (a backward after the sync; nnScaler clears it at the next forward), not after
+    ``step()``: a ``clip_gnorm()`` called after the step would otherwise sum the
+    already-summed gradients again. Whatever runs the backward (a call of the module,
+    ``train_step``, a pipeline schedule) is covered."""
 
-    def clear(mod: torch.nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            state.synced = False
+    def clear(param: torch.Tensor) -> None:
+        state.synced = False
 
-    for m in {id(m): m for m in (module, *pms)}.values():
-        m.register_forward_pre_hook(clear)
+    for p in _unique(module.parameters()):
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(clear)
 
 
 def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
