@@ -4,7 +4,8 @@ Grammar. Spaces between tokens are free, except that two dims need a space betwe
 
     annotation := inputs '->' outputs
     inputs     := [tensor (',' tensor)*]         empty for an op without inputs
-    outputs    := tensor (',' tensor)*
+    outputs    := [tensor (',' tensor)*]         empty (nnScaler's '? ->'): the op returns
+                                                 None, read as one '?'
     tensor     := '?' | dim (' ' dim)*            '?': not a tensor, or taken whole
     dim        := ident | group | '*'            '*': any number of dims, maybe none
     group      := '(' ident (' ' ident)+ ')'      one dim, the product of the idents
@@ -240,7 +241,8 @@ class _Parser:
             raise self.error("an annotation has exactly one '->'", arrows[1].pos)
         inputs = self.side() if self.peek() != arrows[0] else ()
         self.take()  # the arrow: side() stops only there
-        outputs = self.side()
+        # no outputs: an op called for its effect, returning None (one non-tensor)
+        outputs = self.side() if self.peek() is not None else (TensorAnno(None),)
         self.check(inputs, outputs)
         return OpAnno(inputs, outputs, source=self.text)
 

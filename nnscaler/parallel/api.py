@@ -418,7 +418,10 @@ def parallelize(
 
         if not load_module:
             return None
-        return _load(outdir, rank, is_class, init_module_params, outcome[2])
+        loaded = _load(outdir, rank, is_class, init_module_params, outcome[2])
+        if not is_class:  # the module's mode carries over (nnScaler: an eval() module
+            loaded.train(module_or_module_class.training)  # gives an eval() one)
+        return loaded
 
 
 def _check_launch(compute_config: ComputeConfig, load_module: bool,

@@ -90,3 +90,32 @@ def test_autodist_reads_update_freq_and_task_name():
     assert (cfg.update_freq, cfg.task_name) == (4, "llama")
     with pytest.raises(config.AutoDistError, match="update_freq"):
         config.parse_config({"update_freq": 0})
+
+
+@nnscaler.register_op("* ->")  # nnScaler's op without outputs (called for its effect)
+def record_sum(x: torch.Tensor) -> None:
+    SEEN.append(float(x.sum()))
+
+
+SEEN: list[float] = []
+
+
+class Records(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        record_sum(y)
+        return y.sum()
+
+
+def test_op_without_outputs_and_eval_mode(tmp_path):
+    x = torch.randn(2, 4)
+    model = Records().eval()
+    pm = nnscaler.parallelize(model, {"x": x}, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path)
+    assert not pm.training  # an eval() module gives an eval() parallel module
+    SEEN.clear()
+    torch.testing.assert_close(pm(x), model(x), rtol=1e-5, atol=0)
+    assert len(SEEN) == 2 and SEEN[0] == pytest.approx(SEEN[1], rel=1e-5)
