@@ -40,6 +40,7 @@ __all__ = [
     "ThreadPartGroup",
     "check_peers",
     "check_reduce_op",
+    "check_splits",
     "run_parts",
 ]
 
@@ -79,8 +80,35 @@ class PartGroup:
         check_peers(self, dst, src)
         return x
 
+    def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int],
+                   recv_splits: Sequence[int]) -> torch.Tensor:
+        """An all-to-all of uneven sizes along dim 0: this part sends the ``send_splits[q]``
+        rows of ``x`` that follow the first ``sum(send_splits[:q])`` to part ``q``, and
+        returns what it receives, ``recv_splits[q]`` rows from each part ``q`` in part
+        order (the parts learn each other's sizes first, e.g. with `all_gather`).
+        Differentiable: the backward is the all-to-all the other way."""
+        check_splits(self, x, send_splits, recv_splits)
+        return x
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, size={self.size})"
+
+
+def check_splits(group: PartGroup, x: torch.Tensor, send_splits: Sequence[int],
+                 recv_splits: Sequence[int]) -> None:
+    """The split sizes of `PartGroup.all_to_all` fit the group and ``x``."""
+    if len(send_splits) != group.size or len(recv_splits) != group.size:
+        raise PartGroupError(
+            f"PartGroup.all_to_all: give one send and one receive size per part ({group.size}"
+            f" parts); got {len(send_splits)} send and {len(recv_splits)} receive sizes")
+    if sum(send_splits) != x.size(0):
+        raise PartGroupError(
+            f"PartGroup.all_to_all: the send sizes {list(send_splits)} add up to "
+            f"{sum(send_splits)} rows but x has {x.size(0)}; they must add up to x.size(0)")
+    if group.size == 1 and list(send_splits) != list(recv_splits):
+        raise PartGroupError(
+            f"PartGroup.all_to_all: a group of one part receives what it sends; got send "
+            f"sizes {list(send_splits)} and receive sizes {list(recv_splits)}")
 
 
 def check_reduce_op(op: str) -> None:
@@ -153,6 +181,23 @@ class ThreadPartGroup(PartGroup):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._exchange_values(x, "all_gather"))
+
+    def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int],
+                   recv_splits: Sequence[int]) -> torch.Tensor:
+        check_splits(self, x, send_splits, recv_splits)
+        ex = self._exchange
+        ex.slots[self.index] = torch.split(x, list(send_splits))
+        try:
+            ex.barrier.wait()
+            pieces = [ex.slots[q][self.index] for q in range(self.size)]
+            ex.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise PartGroupError("another part of the split failed") from None
+        got = [p.size(0) for p in pieces]
+        if got != list(recv_splits):
+            raise PartGroupError(f"PartGroup.all_to_all: part {self.index} expected "
+                                 f"{list(recv_splits)} rows from the parts but they sent {got}")
+        return torch.cat(pieces)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         check_reduce_op(op)

@@ -27,7 +27,8 @@ Backends: gloo in torch 2.13 supports ``all_gather_single`` (formerly
 ``all_gather_into_tensor``), ``reduce_scatter_single`` (formerly
 ``reduce_scatter_tensor``) and ``all_to_all_single``, as NCCL does, so one code path
 serves both. Point-to-point transfers are batched with ``batch_isend_irecv``.
-Uneven chunks are not supported: split sizes must divide the dims.
+Uneven chunks are not supported: split sizes must divide the dims, except in
+``all_to_all_uneven``, the token exchange of expert parallelism, which takes its sizes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_uneven",
     "broadcast",
     "chunk",
     "identity_allreduce",
@@ -202,6 +204,24 @@ def p2p(
         work.wait()
 
 
+def raw_all_to_all_uneven(x: torch.Tensor, ranks: Sequence[int], send_splits: Sequence[int],
+                          recv_splits: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` to each member (``send_splits[m]`` rows to member ``m``, in order);
+    returns the rows received, ``recv_splits[m]`` from member ``m``, in member order."""
+    if len(ranks) == 1:
+        return x.clone()
+    rows = _rows(ranks)
+    member = {row: m for m, row in enumerate(rows)}
+    sent = torch.split(x, list(send_splits))
+    ordered = torch.cat([sent[member[row]] for row in range(len(ranks))]).contiguous()
+    send = [int(send_splits[member[row]]) for row in range(len(ranks))]
+    recv = [int(recv_splits[member[row]]) for row in range(len(ranks))]
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, ordered, recv, send, group=get_group(ranks))
+    got = torch.split(out, recv)
+    return torch.cat([got[row] for row in rows]) if len(got) else out
+
+
 # ---------------------------------------------------------------------------------------
 # Autograd functions
 # ---------------------------------------------------------------------------------------
@@ -311,6 +331,20 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int], src_dim: int, dst_dim: int
         x,
         lambda t: raw_all_to_all(t, ranks, src_dim, dst_dim),
         lambda g: raw_all_to_all(g, ranks, dst_dim, src_dim),
+    )
+
+
+def all_to_all_uneven(x: torch.Tensor, ranks: Sequence[int], send_splits: Sequence[int],
+                      recv_splits: Sequence[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: ``send_splits[m]`` rows of ``x`` go to member ``m``
+    and ``recv_splits[m]`` rows come from it (the sizes every member agreed on first).
+    Backward: the same exchange the other way (sizes swapped)."""
+    ranks, _ = _ranks(ranks, "all_to_all_uneven")
+    send, recv = [int(s) for s in send_splits], [int(r) for r in recv_splits]
+    return _Comm.apply(
+        x,
+        lambda t: raw_all_to_all_uneven(t, ranks, send, recv),
+        lambda g: raw_all_to_all_uneven(g, ranks, recv, send),
     )
 
 

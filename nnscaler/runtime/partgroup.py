@@ -13,8 +13,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nnscaler.anno.partgroup import PartGroup, check_peers, check_reduce_op
-from nnscaler.runtime.collectives import all_gather, all_reduce, this_rank
+from nnscaler.anno.partgroup import PartGroup, check_peers, check_reduce_op, check_splits
+from nnscaler.runtime.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all_uneven,
+    this_rank,
+)
 from nnscaler.runtime.groups import get_group
 
 __all__ = ["ProcessPartGroup"]
@@ -54,6 +59,13 @@ class ProcessPartGroup(PartGroup):
         if dst == self.index and src == self.index:
             return x
         return _SendRecv.apply(x, self.ranks[dst], self.ranks[src])
+
+    def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int],
+                   recv_splits: Sequence[int]) -> torch.Tensor:
+        check_splits(self, x, send_splits, recv_splits)
+        if self.size == 1:
+            return x
+        return all_to_all_uneven(x, self.ranks, send_splits, recv_splits)
 
     def __repr__(self) -> str:
         return f"ProcessPartGroup(ranks={list(self.ranks)}, index={self.index})"

@@ -1,5 +1,5 @@
 """ProcessPartGroup on 2 and 4 gloo processes gives what ThreadPartGroup gives in one
-process: all_reduce sum/max and all_gather values, and exact-adjoint gradients
+process: all_reduce sum/max, all_gather and uneven all_to_all values, and exact-adjoint gradients
 (integer-valued float64, so every comparison is exact)."""
 
 from __future__ import annotations
@@ -42,7 +42,16 @@ def _forward(group: PartGroup, k: int) -> list[tuple[str, torch.Tensor, torch.Te
     found.append(("shift", x, group.send_recv(x, (p + 1) % k, (p - 1) % k), _data(k, 4)[p]))
     x = xs[p].clone().requires_grad_(True)  # a permutation: swap pairs of parts
     found.append(("swap", x, group.send_recv(x, p ^ 1, p ^ 1), _data(k, 5)[p]))
+    send, recv = _splits(p, k), [_splits(q, k)[p] for q in range(k)]
+    x = _data(k, 6, (sum(send), 2))[p].requires_grad_(True)
+    found.append(("all_to_all", x, group.all_to_all(x, send, recv),
+                  _data(k, 7, (sum(recv), 2))[p]))
     return found
+
+
+def _splits(p: int, k: int) -> list[int]:
+    """The rows part ``p`` sends each part: uneven, some none (as an expert with no token)."""
+    return [(p + 2 * q) % 3 for q in range(k)]
 
 
 def _program(group: PartGroup, k: int) -> dict[str, torch.Tensor]:
@@ -123,6 +132,10 @@ def test_process_part_group_matches_thread_part_group(world_size):
         assert torch.equal(r["shift"], xs[(p - 1) % k])  # the gradient comes back from p + 1
         assert torch.equal(r["shift grad"], _data(k, 4)[(p + 1) % k])
         assert torch.equal(r["swap"], xs[p ^ 1]) and torch.equal(r["swap grad"], _data(k, 5)[p ^ 1])
+        # part p receives, from each part q in order, the block q sent to p
+        blocks = [torch.split(_data(k, 6, (sum(_splits(q, k)), 2))[q], _splits(q, k))[p]
+                  for q in range(k)]
+        assert torch.equal(r["all_to_all"], torch.cat(blocks))
 
 
 def _single_and_errors(rank: int, world_size: int) -> list[str]:
@@ -149,6 +162,12 @@ def _single_and_errors(rank: int, world_size: int) -> list[str]:
         ProcessPartGroup([0, 1]).all_reduce(x, "mean")
     except PartGroupError as e:
         messages.append(str(e))
+    assert alone.all_to_all(x, [2], [2]) is x
+    for send, recv in (([1, 0], [1, 1]), ([2], [2])):
+        try:
+            ProcessPartGroup([0, 1]).all_to_all(x, send, recv)
+        except PartGroupError as e:
+            messages.append(str(e))
     return messages
 
 
@@ -160,3 +179,5 @@ def test_process_part_group_rejects_ranks_without_this_rank():
         assert "[0, 0, 1] must be distinct" in messages[1]
         assert f"the ranks [] must be distinct and include this process's rank {rank}" in messages[2]
         assert "op must be one of ('sum', 'max'), got 'mean'" in messages[3]
+        assert "the send sizes [1, 0] add up to 1 rows but x has 2" in messages[4]
+        assert "one send and one receive size per part (2 parts); got 1" in messages[5]

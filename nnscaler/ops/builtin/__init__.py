@@ -26,6 +26,7 @@ FAMILIES: tuple[str, ...] = (
     "context_parallel",
     "shape",
     "indexing",
+    "moe",
 )
 
 
