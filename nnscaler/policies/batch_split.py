@@ -8,7 +8,8 @@ and each output the split cuts (``S(d)``) carries the batch at ``d``. Ops that r
 batch-carrying tensor (the position embedding, a mask built from constants), or whose
 batch dim cannot be split (a loss with ``reduction='mean'`` marks it ``^``), are
 replicated on every device; the adapters gather their inputs. Part ``p`` runs on device
-``p``.
+``p``. With ``expert_parallel`` the experts of every MoE layer are split over the devices
+too (`nnscaler.policies.experts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from nnscaler.policies.common import (
     as_policy_graph,
     assign_parts,
     policy_config,
+)
+from nnscaler.policies.experts import (
+    expert_parallel_option,
+    expert_transform,
+    is_moe,
+    require_moe_layers,
 )
 
 __all__ = ["batch_dims_of_inputs", "data"]
@@ -120,16 +127,21 @@ def _follow(op: Op, t: Transform, batch: dict[FullTensor, int]) -> None:
 
 def data(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Split the batch across ``compute_config.plan_ngpus`` devices (see the module
-    docstring). ``pas_config`` option: ``batch_dims`` (``{argument: dim or None}``)."""
+    docstring). ``pas_config`` options: ``batch_dims`` (``{argument: dim or None}``),
+    ``expert_parallel`` (bool: split the experts of MoE layers over the devices too)."""
     config = policy_config(compute_config, "data")
     n, cfg = config.plan_ngpus, config.pas_config
     g = as_policy_graph(graph)
     batch = batch_dims_of_inputs(g, cfg.get("batch_dims"), n)
+    experts = expert_parallel_option(cfg, "data")
+    if experts:
+        require_moe_layers(g.nodes(), "data")
     for op in g.nodes():
         if n == 1:
             g.assign(op, 0)
             continue
-        t = _batch_transform(op, batch, n)
+        t = expert_transform(op, n, "data") if experts and is_moe(op) else \
+            _batch_transform(op, batch, n)
         parts = None
         if t is not None:
             try:

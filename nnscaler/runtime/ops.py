@@ -10,7 +10,7 @@ other code than the op itself), the file calls it as ``nnscaler.runtime.ops.<nam
   parts exchanging their normalizers through ``group`` (the vocabulary-parallel loss);
 - `context_parallel_attention`: ``F.scaled_dot_product_attention`` on a chunk of the
   sequence, the parts passing keys and values through ``group`` (ring, zigzag, Ulysses);
-- `moe_experts` / `expert_parallel_moe`: the routed experts of an MoE layer, whole or
+- `routed_experts` / `expert_parallel_moe`: the routed experts of an MoE layer, whole or
   split over the parts of ``group`` (expert parallelism, tokens exchanged all-to-all).
 
 Their implementations live with their annotations in `nnscaler.ops.builtin`; this
@@ -20,13 +20,13 @@ is here).
 
 from nnscaler.ops.builtin.context_parallel import context_parallel_attention
 from nnscaler.ops.builtin.loss import class_parallel_cross_entropy
-from nnscaler.ops.builtin.moe import expert_parallel_moe, moe_experts
+from nnscaler.ops.builtin.moe import expert_parallel_moe, routed_experts
 from nnscaler.ops.builtin.nn import row_parallel_embedding
 
 __all__ = [
     "class_parallel_cross_entropy",
     "context_parallel_attention",
     "expert_parallel_moe",
-    "moe_experts",
+    "routed_experts",
     "row_parallel_embedding",
 ]

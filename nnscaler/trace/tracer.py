@@ -51,6 +51,7 @@ from nnscaler.trace.errors import (
     OpaqueOpWarning,
     TraceError,
 )
+from nnscaler.trace.moe import expert_layers
 from nnscaler.trace.source import code_line, model_frame
 
 STRATEGIES = ("real", "meta")
@@ -569,7 +570,7 @@ class Tracer:
         )
         token = op_call_interceptor.set(self.on_registered_op)
         try:
-            with _Mode(self), library_trace_signal():
+            with expert_layers(self.module), _Mode(self), library_trace_signal():
                 if self.meta:
                     out = torch.func.functional_call(
                         self.module, state, (), call_args, tie_weights=True, strict=False

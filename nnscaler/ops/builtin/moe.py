@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from nnscaler.anno import Reduce, Replicate, Split, TransformRule
 from nnscaler.anno.partgroup import SINGLE, PartGroup
 from nnscaler.errors import NNScalerError
-from nnscaler.ops.registry import OpRegistry
+from nnscaler.ops.registry import OpRegistry, make_recording_wrapper
 
 __all__ = [
     "ACTIVATIONS",
@@ -52,6 +52,7 @@ __all__ = [
     "expert_parallel_moe",
     "moe_experts",
     "record_routing",
+    "routed_experts",
 ]
 
 #: The part op of the expert-parallel split.
@@ -129,11 +130,12 @@ def _record(record: RoutingRecord) -> None:
 # -- the op --------------------------------------------------------------------------------
 
 
-def moe_experts(
+def routed_experts(
     hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation: str = "silu",
     capacity_factor: float | None = None, drop_tokens: bool = False, layer: str = "",
 ):
-    """The routed experts of an MoE layer (see the module docstring).
+    """The routed experts of an MoE layer (see the module docstring); models call it as
+    `moe_experts`, which the tracer records as one op.
 
     ``hidden [T, H]``; ``top_k_index [T, k]`` (int, the chosen experts) and
     ``top_k_weights [T, k]`` (their router weights); ``gate_up_proj [E, 2F, H]`` (gate rows
@@ -208,6 +210,10 @@ def _regroup(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     a, b = counts.shape
     blocks = torch.split(x, counts.reshape(-1).tolist())
     return torch.cat([blocks[i * b + j] for j in range(b) for i in range(a)]) if blocks else x
+
+
+#: What a model calls: `routed_experts`, recorded by the tracer as one op.
+moe_experts = make_recording_wrapper(routed_experts, MOE_EXPERTS)
 
 
 # long: one straight pass of the dispatch, the experts and the combine, read top to bottom
@@ -326,7 +332,7 @@ def gen_moe(rng: random.Random) -> tuple[tuple, dict]:
 
 
 def register(registry: OpRegistry) -> None:
-    registry.register(moe_experts, moe_anno, name=MOE_EXPERTS, input_gen_fn=gen_moe,
+    registry.register(routed_experts, moe_anno, name=MOE_EXPERTS, input_gen_fn=gen_moe,
                       transform_rules=moe_rules)
     registry.register(expert_parallel_moe, _ep_anno, name=EXPERT_PARALLEL,
                       input_gen_fn=gen_moe, collective=True)
