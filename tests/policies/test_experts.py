@@ -12,10 +12,9 @@ import warnings
 import pytest
 import torch
 from dist_utils import run_distributed
+from moe_models import batches, build
 
 from nnscaler.ops.builtin.moe import MOE_EXPERTS
-
-from moe_models import batches, build
 
 SGD = {"lr": 1e-2, "momentum": 0.9}
 TOL = dict(rtol=1e-5, atol=1e-6)
