@@ -187,10 +187,14 @@ def test_meta_data_reads_stay_meta_errors():
 transformers = pytest.importorskip("transformers")
 
 
-def test_mixtral_eager_expert_loop_is_refused_with_its_lines(tmp_path):
+def test_mixtral_eager_expert_loop_traces_as_one_moe_op():
     """Mixtral's eager experts pick tokens with torch.where and skip experts on a tensor
-    comparison: a batch routed differently would need another program. Before, ``tp``
-    failed later with a CollectiveError and ``dp`` unrolled the dummy batch's experts."""
+    comparison: traced as written, a batch routed differently would need another program.
+    The tracer recognises the expert stack and records it as one moe_experts op instead,
+    so nothing is read from data (before, this model was refused here)."""
+    from nnscaler.ops.builtin.moe import MOE_EXPERTS
+    from nnscaler.trace import trace
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = transformers.MixtralConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -211,11 +215,10 @@ def test_mixtral_eager_expert_loop_is_refused_with_its_lines(tmp_path):
     ids = torch.randint(0, 64, (2, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(DataDependentError) as info:
-            parallelize(WithLoss(), {"batch": {"input_ids": ids, "labels": ids}}, "tp", TWO,
-                        gen_savedir=tmp_path, load_module=False)
-    message = str(info.value)
-    assert "modeling_mixtral.py" in message
-    assert "torch.where gave the size" in message and "torch.nonzero gave the size" in message
-    assert "expert_idx == self.num_experts" in message  # the skip, a value read from data
-    assert "allow_data_dependent=True" in message
+        graph = trace(WithLoss(), {"batch": {"input_ids": ids, "labels": ids}})
+    assert graph.data_dependent == []
+    (op,) = [op for op in graph.ops if op.name == MOE_EXPERTS]
+    assert op.module_path == "model.model.layers.0.mlp.experts"
+    assert "self.experts(" in op.code
+    # the module is itself again after tracing
+    assert "forward" not in vars(model.model.layers[0].mlp.experts)
