@@ -8,7 +8,12 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
 - ``plan_ngpus = tensor_model_parallel_size * pipeline_model_parallel_size``;
 - ``data_parallel = runtime_ngpus / plan_ngpus`` (the rest of the devices);
 - ``use_distributed_optimizer`` is ZeRO stage 1 over the data-parallel replicas:
-  ``ComputeConfig.use_zero``.
+  ``ComputeConfig.use_zero``;
+- ``expert_model_parallel_size`` splits the experts of every MoE layer over the
+  tensor-parallel devices of its pipeline rank, so it is 1 or
+  ``tensor_model_parallel_size`` (Megatron-Core shards experts over data-parallel ranks;
+  here the data-parallel replicas are whole copies of the scale unit, so the experts
+  share the devices of the tensor-parallel group instead).
 
 `megatron_compute_config` builds the [`ComputeConfig`][nnscaler.ComputeConfig] from the
 Megatron sizes; the policy checks that the compute config it receives agrees with
@@ -29,7 +34,8 @@ __all__ = ["MegatronConfig", "MegatronConfigError", "megatron_compute_config", "
 
 _KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
          "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-         "sequence_parallel", "data_parallel", "use_distributed_optimizer")
+         "sequence_parallel", "data_parallel", "use_distributed_optimizer",
+         "expert_model_parallel_size")
 
 
 class MegatronConfigError(PolicyError):
@@ -47,6 +53,7 @@ class MegatronConfig:
     sequence_parallel: bool
     dp: int
     distributed_optimizer: bool
+    ep: int = 1
 
     @property
     def plan_ngpus(self) -> int:
@@ -137,8 +144,16 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             "over the tensor-parallel devices, so it needs tensor_model_parallel_size > 1; "
             "got tensor_model_parallel_size=1. Drop sequence_parallel or raise the size"
         )
+    ep = _int(cfg, "expert_model_parallel_size", 1) or 1
+    if ep not in (1, tp):
+        raise MegatronConfigError(
+            f"policy 'megatron': expert_model_parallel_size splits the experts over the "
+            f"tensor-parallel devices, so it is 1 or tensor_model_parallel_size={tp}; got "
+            f"{ep}. Set expert_model_parallel_size={tp} (or tensor_model_parallel_size="
+            f"{ep})")
     return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
-                          sequence_parallel=sp, dp=dp, distributed_optimizer=distributed)
+                          sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
+                          ep=ep)
 
 
 def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
@@ -148,6 +163,7 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
                             num_layers_per_virtual_pipeline_stage: int | None = None,
                             sequence_parallel: bool = False,
                             use_distributed_optimizer: bool = False,
+                            expert_model_parallel_size: int = 1,
                             pas_config: Mapping[str, Any] | None = None,
                             **compute_config: Any) -> ComputeConfig:
     """A [`ComputeConfig`][nnscaler.ComputeConfig] for the ``megatron`` policy from Megatron's
@@ -163,6 +179,7 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
         "data_parallel": data_parallel,
         "sequence_parallel": sequence_parallel,
         "use_distributed_optimizer": use_distributed_optimizer,
+        "expert_model_parallel_size": expert_model_parallel_size,
     }
     if virtual_pipeline_model_parallel_size is not None:
         sizes["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size

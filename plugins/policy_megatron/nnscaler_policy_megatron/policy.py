@@ -16,6 +16,10 @@ Steps, in this order (each needs the one before):
    linear with a reduce-scatter; otherwise replicated, and a row linear's output is
    all-reduced.
 
+With ``expert_model_parallel_size`` (= ``tp``), every MoE layer's experts are split
+over the tensor-parallel devices (`nnscaler.policies.experts`): each holds ``E / tp``
+experts and the tokens move to them with an all-to-all.
+
 Data parallelism is the ``runtime_ngpus / plan_ngpus`` scale units, and the distributed
 optimizer is ZeRO stage 1 (``use_zero``), both done by nnscaler's runtime. Parameter
 matmuls the policy could not place in a region stay replicated; they are listed at
@@ -30,6 +34,7 @@ from typing import Any
 from nnscaler.config import ComputeConfig, as_compute_config
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op
+from nnscaler.policies.experts import expert_transform, is_moe, require_moe_layers
 from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
 from nnscaler_policy_megatron.structure import Region, find_regions, track_sequence
 
@@ -60,6 +65,7 @@ class MegatronPlan:
         self.sequence_split: list[Op] = []
         self.replicated: list[Op] = []
         self.unplaced: list[Op] = []  # parameter matmuls left whole
+        self.expert_split: list[Op] = []  # MoE layers split by their experts
         self.stages: dict[str, int] = {}
 
 
@@ -148,8 +154,14 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
     seq_along: dict[Op, Any] = {}
     if cfg.sequence_parallel:
         _, seq_along = track_sequence(g, tp)
+    if cfg.ep > 1:
+        require_moe_layers(ops, "megatron")
     for op in ops:
-        if op in choices:
+        if cfg.ep > 1 and is_moe(op):
+            t = expert_transform(op, cfg.ep, "megatron")
+            parts = g.partition(op, idx=t.idx, dim=t.dim, num=cfg.ep)
+            result.expert_split.append(op)
+        elif op in choices:
             t = choices[op]
             parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
         elif op in seq_along:

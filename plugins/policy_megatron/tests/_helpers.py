@@ -52,6 +52,12 @@ def make_model(kind: str) -> nn.Module:
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                          max_position_embeddings=64)
         return WithLoss(model_cls(config))
+    if kind == "mixtral":  # 4 experts, top-2, with the load-balancing loss
+        config = transformers.MixtralConfig(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+        return WithLoss(transformers.MixtralForCausalLM(config))
     if kind == "gpt2":
         config = transformers.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
