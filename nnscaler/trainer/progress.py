@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.ops.builtin.moe import routing_metrics
 from nnscaler.trainer.fields import resolve_object
 from nnscaler.trainer.hooks import call_hooks
 
@@ -116,6 +117,7 @@ class Progress:
             metrics["gnorm"] = _as_float(gnorm)
         if t.loss_scaler is not None:
             metrics["loss_scale"] = t.loss_scaler.scale
+        metrics.update(routing_metrics(t.last_routing))
         return metrics
 
     def _show(self, metrics: dict[str, float]) -> None:
@@ -127,7 +129,8 @@ class Progress:
                 f"loss={metrics['loss']:.4f}, lr={metrics['lr']:.3g}, {speed}", refresh=False)
         elif t.rank == 0:
             total = t.total_train_steps
-            extra = "".join(f", {k}={v:.4g}" for k, v in metrics.items() if k != "loss")
+            extra = "".join(f", {k}={v:.4g}" for k, v in metrics.items()
+                            if k != "loss" and not k.startswith("moe/"))
             logger.info("Epoch %d: %03d/%s train_loss=%.4f%s", t.epoch, t.global_step,
                         f"{total:03d}" if total is not None else "?", metrics["loss"], extra)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.ops.builtin.moe import record_routing
 from nnscaler.trainer import ckpt_layout as layout
 from nnscaler.trainer.args import AggregatedOutputs
 from nnscaler.trainer.collective import is_distributed, sum_over_units
@@ -162,14 +163,16 @@ class StepLoop:
         batches = [t.precision.cast_input(b, t.device) for b in batches]
         scale_fn = self._loss_scale_fn()
         call_hooks(t.hooks, "before_zero_grad", t)
-        # train_step zeroes the gradients first
-        if args.model.parallel_modules:  # the whole model around its parallel submodules
-            from nnscaler.trainer import submodules
+        # train_step zeroes the gradients first; what the MoE layers routed is logged
+        with record_routing() as routing:
+            if args.model.parallel_modules:  # the whole model around its parallel submodules
+                from nnscaler.trainer import submodules
 
-            t.optimizer.zero_grad()
-            outputs = submodules.train_step(t.model, batches, scale_fn)
-        else:
-            outputs = t.model.train_step(batches, scale_fn=scale_fn)
+                t.optimizer.zero_grad()
+                outputs = submodules.train_step(t.model, batches, scale_fn)
+            else:
+                outputs = t.model.train_step(batches, scale_fn=scale_fn)
+        t.last_routing = routing
         call_hooks(t.hooks, "after_zero_grad", t)
         agg = self.aggregate(outputs)
         loss = agg.loss_sum / agg.num_batches if args.optimizer.loss_reduction == "mean" \

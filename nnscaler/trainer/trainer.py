@@ -87,6 +87,7 @@ class Trainer:
         self.last_train_loss = math.nan
         self.last_tokens: int | None = None
         self.last_gnorm: Any = math.nan
+        self.last_routing: list = []  # the MoE layers' RoutingRecords of the last step
         self.train_status: dict[str, Any] = {}
         # the parts, each working on this Trainer's state
         self.builder = Builder(self)

@@ -19,6 +19,7 @@ from nnscaler.cli.trainer_args import (
     OptimizerConfig,
     TrainerArgs,
 )
+from nnscaler.ops.builtin.moe import moe_experts
 
 REPO = Path(__file__).resolve().parents[2]
 DIM = 8
@@ -44,6 +45,23 @@ class TokenMLP(MLP):
         logits = self.fc2(F.gelu(self.fc1(data["x"])))
         loss = F.cross_entropy(logits, data["y"], reduction="sum")
         return loss, data["y"].numel()
+
+
+class MoEMLP(nn.Module):
+    """An MoE layer (4 experts, top-2, through moe_experts) before the classifier."""
+
+    def __init__(self, dim: int = DIM, ffn: int = 6, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * ffn, dim) / 3)
+        self.down = nn.Parameter(torch.randn(experts, dim, ffn) / 3)
+        self.fc = nn.Linear(dim, CLASSES)
+
+    def forward(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = data["x"]
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        x = x + moe_experts(x, index, weights, self.gate_up, self.down, layer="moe")
+        return F.cross_entropy(self.fc(x), data["y"])
 
 
 class FixedDataset:

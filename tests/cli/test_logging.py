@@ -11,7 +11,7 @@ from nnscaler.cli.loggers import LoggerBase, LoggerError, TensorBoardLogger
 from nnscaler.cli.trainer_args import LogConfig
 from nnscaler.errors import UnknownNameError
 
-from .common import TokenMLP, run_trainer, trainer_args
+from .common import MoEMLP, TokenMLP, run_trainer, trainer_args
 
 
 class Recorder(LoggerBase):
@@ -67,6 +67,30 @@ def test_logger_plugin_gets_the_metrics(tmp_path, fresh_plugins, monkeypatch):
     run_trainer(trainer_args(tmp_path / "b", max_train_steps=1,
                              log=[LogConfig(type="cli.test_logging.Recorder")]))
     assert ("finalize",) in Recorder.records
+
+
+def test_moe_routing_is_logged_each_step(tmp_path, fresh_plugins, monkeypatch):
+    """Tokens per expert and per device, the imbalance and the drops of every MoE layer
+    reach the loggers with the train metrics; the console line leaves them out."""
+    monkeypatch.setattr(fresh_plugins, "_MANAGER",
+                        fresh_plugins.NNScalerPluginManager(plugins=[RecorderPlugin()]))
+    Recorder.records = []
+    run_trainer(trainer_args(tmp_path, max_train_steps=2, log_every_n_steps=1, model=MoEMLP,
+                             log=[LogConfig(type="recorder")]))
+    (first, *_) = [r for r in Recorder.records if r[0] == "train"]
+    moe = [k for k in first[2] if k.startswith("moe/")]
+    assert moe == sorted([f"moe/moe/expert{e}" for e in range(4)]
+                         + ["moe/moe/device0", "moe/moe/dropped", "moe/moe/imbalance"])
+
+
+def test_routing_metrics_sum_micro_batches_per_layer():
+    from nnscaler.ops.builtin.moe import RoutingRecord, routing_metrics
+
+    records = [RoutingRecord("a", [3, 1], [4]), RoutingRecord("", [0, 2], [2], 1),
+               RoutingRecord("a", [1, 3], [4])]
+    metrics = routing_metrics(records)
+    assert metrics["moe/a/expert0"] == 4.0 and metrics["moe/a/device0"] == 8.0
+    assert metrics["moe/moe0/dropped"] == 1.0 and metrics["moe/a/imbalance"] == 1.0
 
 
 def test_unknown_logger_lists_the_registered_ones(tmp_path):

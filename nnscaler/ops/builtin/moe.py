@@ -53,6 +53,7 @@ __all__ = [
     "moe_experts",
     "record_routing",
     "routed_experts",
+    "routing_metrics",
 ]
 
 #: The part op of the expert-parallel split.
@@ -119,6 +120,38 @@ def record_routing() -> Iterator[list[RoutingRecord]]:
     finally:
         with _lock:
             _recorders.remove(records)
+
+
+def routing_metrics(records: list[RoutingRecord]) -> dict[str, float]:
+    """Loggable numbers of a step's records, summed over its calls (micro-batches) per
+    layer: ``moe/<layer>/expert<e>`` and ``moe/<layer>/device<q>`` (token-expert pairs),
+    ``moe/<layer>/imbalance`` (busiest device over the mean) and ``moe/<layer>/dropped``.
+    A layer without a name is ``moe<i>``, in the order of first call."""
+    per_layer: dict[str, RoutingRecord] = {}
+    unnamed = 0
+    for rec in records:
+        name = rec.layer
+        if not name:
+            name, unnamed = f"moe{unnamed}", unnamed + 1
+        seen = per_layer.get(name)
+        if seen is None:
+            per_layer[name] = RoutingRecord(name, list(rec.tokens_per_expert),
+                                            list(rec.tokens_per_part), rec.dropped)
+            continue
+        seen.tokens_per_expert = [a + b for a, b in zip(seen.tokens_per_expert,
+                                                        rec.tokens_per_expert)]
+        seen.tokens_per_part = [a + b for a, b in zip(seen.tokens_per_part,
+                                                      rec.tokens_per_part)]
+        seen.dropped += rec.dropped
+    metrics: dict[str, float] = {}
+    for name, rec in per_layer.items():
+        metrics.update({f"moe/{name}/expert{e}": float(c)
+                        for e, c in enumerate(rec.tokens_per_expert)})
+        metrics.update({f"moe/{name}/device{q}": float(c)
+                        for q, c in enumerate(rec.tokens_per_part)})
+        metrics[f"moe/{name}/imbalance"] = rec.imbalance
+        metrics[f"moe/{name}/dropped"] = float(rec.dropped)
+    return metrics
 
 
 def _record(record: RoutingRecord) -> None:
