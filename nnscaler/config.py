@@ -446,9 +446,9 @@ class ComputeConfig:
             return
         if self.use_zero and self.zero_stage == 0:
             raise ComputeConfigError(
-                "ComputeConfig: use_zero=True (ZeRO stage 1) disagrees with zero_stage=0 (no "
-                "sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False "
-                "to not shard"
+                f"ComputeConfig: use_zero=True (ZeRO stage 1) disagrees with zero_stage=0 (no "
+                f"sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False "
+                f"to not shard"
             )
         else:
             object.__setattr__(self, "use_zero", self.zero_stage >= 1)
