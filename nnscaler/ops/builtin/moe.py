@@ -245,6 +245,21 @@ def _regroup(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks[i * b + j] for j in range(b) for i in range(a)]) if blocks else x
 
 
+def _even_meta(hidden, top_k_weights, gate_up_proj, down_proj, activation: str,
+               num_experts: int, group: PartGroup) -> torch.Tensor:
+    """The collectives and expert matmuls of a call whose routing is even, on meta tensors
+    (no value to route by): what autodist's profiler records and costs."""
+    t, k = top_k_weights.shape
+    group.all_gather(torch.empty(num_experts, dtype=torch.long, device="meta"))
+    share = [len(c) for c in torch.tensor_split(torch.arange(t * k), group.size)]
+    x = group.all_to_all(hidden.unsqueeze(1).expand(t, k, hidden.size(1)).reshape(t * k, -1),
+                         share, share)
+    local = [len(c) for c in torch.tensor_split(torch.arange(x.size(0)), gate_up_proj.size(0))]
+    y = _run_experts(x, local, gate_up_proj, down_proj, ACTIVATIONS[activation])
+    y = group.all_to_all(y, share, share)
+    return (y.view(t, k, -1) * top_k_weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+
+
 #: What a model calls: `routed_experts`, recorded by the tracer as one op.
 moe_experts = make_recording_wrapper(routed_experts, MOE_EXPERTS)
 
@@ -266,6 +281,9 @@ def expert_parallel_moe(
                 held, group, layer)
     num_experts = sum(held)
     first = sum(held[:index])
+    if hidden.device.type == "meta":  # shapes only (a cost model): routing taken as even
+        return _even_meta(hidden, top_k_weights, gate_up_proj, down_proj, activation,
+                          num_experts, group)
     k = top_k_index.size(1)
     flat = top_k_index.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):

@@ -227,13 +227,18 @@ class CostModel:
         its classes), forward and, where gradients flow, backward: each ``all_reduce``
         as one over the ``k`` parts, each ``all_gather`` as the all-reduce that moves as
         many bytes (and its backward, a reduce-scatter, the same), each ``send_recv`` (a
-        ring step) as the all-reduce that moves its bytes once over a link."""
+        ring step) as the all-reduce that moves its bytes once over a link, each
+        ``all_to_all`` (the token exchange of expert parallelism, its backward the same)
+        as the all-reduce of half its bytes (each moves ``(k-1)/k`` of them per rank, an
+        all-reduce twice that)."""
         if t is None or t.part_op is None or k <= 1:
             return 0.0
         total = 0.0
         for call in self.profiler.collectives(op, t, k):
             if call.kind == "send_recv":  # an all-reduce moves 2(k-1)/k of its bytes
                 nbytes = call.nbytes * k / (2 * (k - 1))
+            elif call.kind == "all_to_all":
+                nbytes = call.nbytes / 2
             else:
                 nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
             once = self.comm.allreduce_time(nbytes, k, bucketed=False)

@@ -413,7 +413,7 @@ class ComputeProfiler:
 @attrs.frozen
 class PartCall:
     """A collective one part of a split runs: ``kind`` (``'all_reduce'``,
-    ``'all_gather'`` or ``'send_recv'``), the bytes each part contributes, and whether its gradient is
+    ``'all_gather'``, ``'send_recv'`` or ``'all_to_all'``), the bytes each part contributes, and whether its gradient is
     exchanged in backward too."""
 
     kind: str
@@ -446,6 +446,10 @@ class RecordingGroup(PartGroup):
     def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
         self._note("send_recv", x, True)
         return x.clone()
+
+    def all_to_all(self, x: torch.Tensor, send_splits: Any, recv_splits: Any) -> torch.Tensor:
+        self._note("all_to_all", x, True)
+        return x.new_empty((sum(recv_splits), *x.shape[1:])).requires_grad_(x.requires_grad)
 
 
 @attrs.frozen

@@ -353,6 +353,41 @@ def test_a_split_whose_parts_talk_pays_their_collectives(tmp_path):
     assert all(profiler.collectives(op, t, 2) == () for t in plain)
 
 
+def test_the_expert_parallel_split_pays_its_token_exchanges(tmp_path):
+    """An MoE layer split by its experts all-gathers its counts and exchanges its tokens
+    both ways (all_to_all, forward and backward); autodist records them on meta tensors
+    with an even routing and charges each exchange as the all-reduce of half its bytes."""
+    from nnscaler_policy_autodist.model import CostModel
+
+    from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, moe_experts
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(16, 4, bias=False)
+            self.gate_up = nn.Parameter(torch.randn(4, 48, 16))
+            self.down = nn.Parameter(torch.randn(4, 16, 24))
+
+        def forward(self, x):
+            weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+            return moe_experts(x, index, weights, self.gate_up, self.down).sum()
+
+    graph = IRGraph.from_graph(trace(Experts(), {"x": torch.randn(8, 16)}))
+    op = next(o for o in graph.ops if o.name.endswith("moe_experts"))
+    comm = CommModel(DEVICE_SPECS["cpu"])
+    profiler = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path, measure=False)
+    costs = CostModel(profiler=profiler, comm=comm, units=1, zero=False)
+    ep = next(t for t in costs.transforms(op, 2)
+              if t is not None and t.part_op == EXPERT_PARALLEL)
+    calls = profiler.collectives(op, ep, 2)
+    assert [c.kind for c in calls] == ["all_gather", "all_to_all", "all_to_all"]
+    tokens = 4 * 2 * 16 * 4  # 4 tokens of the part x top-2, 16 floats of 4 bytes
+    assert [c.nbytes for c in calls[1:]] == [tokens, tokens] and calls[1].backward
+    exchange = comm.allreduce_time(tokens / 2, 2, bucketed=False)
+    assert costs.part_comm(op, ep, 2, True) == pytest.approx(
+        comm.allreduce_time(calls[0].nbytes, 2, bucketed=False) + 4 * exchange)
+
+
 def test_the_optimizer_and_gradient_sum_run_once_a_step(tmp_path):
     """With micro-batches an op's forward and backward run for each, its weights' step and
     gradient all-reduce once: an option (per micro-batch) carries 1/m of them."""

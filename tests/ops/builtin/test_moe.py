@@ -159,3 +159,9 @@ def test_the_splits_of_the_op():
                   [tuple(x.shape) for x in args])
     assert {t.part_op for t in capped.transform_space(2, rules=moe_rules(capped))} == {
         EXPERT_PARALLEL}
+
+
+def test_meta_tensors_give_the_shape_and_the_collectives():
+    """On meta tensors (a cost model: no routing to read) the op runs an even routing."""
+    args = [x.to("meta") for x in _inputs(2)]
+    assert moe_experts(*args).shape == (T, H) and moe_experts(*args).device.type == "meta"
