@@ -299,10 +299,11 @@ def expert_parallel_moe(
     if capacity_factor is not None:  # the first keep[e] pairs of each expert's run
         sorted_e = flat[order]
         start = counts.cumsum(0) - counts
-        rank = torch.arange(order.numel()) - start[sorted_e]
+        rank = torch.arange(order.numel(), device=flat.device) - start[sorted_e]
         order = order[rank < keep[sorted_e]]
     mine = slice(first, first + local)
-    owner = torch.repeat_interleave(torch.arange(n), torch.tensor(held))  # part of each expert
+    owner = torch.repeat_interleave(torch.arange(n, device=flat.device),
+                                    torch.tensor(held, device=flat.device))  # each expert's part
     send = keep.new_zeros(n).index_add(0, owner, keep).tolist()  # pairs to each part
     recv = keep_all[:, mine].sum(1).tolist()  # pairs from each part
     per_part = keep.new_zeros(n).index_add(0, owner, keep_all.sum(0)).tolist()
