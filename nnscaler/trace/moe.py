@@ -91,6 +91,13 @@ def _forward_as_op(module: nn.Module, path: str) -> Any:
     return types.MethodType(forward, module)
 
 
+def _has_expert_weights(module: nn.Module) -> bool:
+    """3-d ``gate_up_proj`` or ``down_proj`` tensors: an expert stack, placeable or not (a
+    dense MLP's ``nn.Linear`` of those names is none)."""
+    weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    return any(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights)
+
+
 @contextlib.contextmanager
 def expert_layers(root: nn.Module) -> Iterator[list[str]]:
     """While the block runs, every expert stack under ``root`` runs as `moe_experts`;
@@ -106,7 +113,7 @@ def expert_layers(root: nn.Module) -> Iterator[list[str]]:
                 patched.append((module, own, module.__dict__.get("forward")))
                 module.forward = _forward_as_op(module, path)
                 found.append(path)
-            elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            elif _has_expert_weights(module):
                 warnings.warn(
                     f"{path or 'the root module'} ({type(module).__name__}) has expert "
                     f"weights but cannot run as one moe_experts op: {problem}. Its experts "
