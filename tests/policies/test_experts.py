@@ -82,7 +82,6 @@ def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: s
 
 CASES = [
     # kind, model options, expert parallel degree (plan_ngpus), processes
-    ("deepseek", {"top_k": 2}, 2, 2),
     ("deepseek", {"top_k": 1, "skew": 100.0}, 2, 4),  # every token to expert 0, dp x ep
     ("deepseek", {"top_k": 2, "experts": 8}, 4, 4),
     ("mixtral", {}, 2, 4),
