@@ -11,7 +11,9 @@ other code than the op itself), the file calls it as ``nnscaler.runtime.ops.<nam
 - `context_parallel_attention`: ``F.scaled_dot_product_attention`` on a chunk of the
   sequence, the parts passing keys and values through ``group`` (ring, zigzag, Ulysses);
 - `routed_experts` / `expert_parallel_moe`: the routed experts of an MoE layer, whole or
-  split over the parts of ``group`` (expert parallelism, tokens exchanged all-to-all).
+  split over the parts of ``group`` (expert parallelism, tokens exchanged all-to-all);
+- `token_parallel_cross_entropy`: a mean ``F.cross_entropy`` on a slice of the tokens,
+  the parts all-reducing their sums and counts.
 
 Their implementations live with their annotations in `nnscaler.ops.builtin`; this
 module only names them (a test checks that every nnscaler function registered as an op
@@ -22,6 +24,7 @@ from nnscaler.ops.builtin.context_parallel import context_parallel_attention
 from nnscaler.ops.builtin.loss import class_parallel_cross_entropy
 from nnscaler.ops.builtin.moe import expert_parallel_moe, routed_experts
 from nnscaler.ops.builtin.nn import row_parallel_embedding
+from nnscaler.ops.builtin.token_loss import token_parallel_cross_entropy
 
 __all__ = [
     "class_parallel_cross_entropy",
@@ -29,4 +32,5 @@ __all__ = [
     "expert_parallel_moe",
     "routed_experts",
     "row_parallel_embedding",
+    "token_parallel_cross_entropy",
 ]

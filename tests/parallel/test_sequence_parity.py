@@ -1,6 +1,7 @@
 """Context parallelism end to end: the project's GPT trained 3 Adam steps with the
 ``sequence`` policy on 2 and 4 gloo processes (ring attention, zigzag balanced, and
-Ulysses; with data parallelism over two scale units) equals one process: per-step
+Ulysses; with data parallelism over two scale units; with a batch of one, whose mean
+loss splits over the tokens) equals one process: per-step
 losses and every parameter after the steps, rtol 1e-5. The generated code calls the
 part op with the group of its sequence chunks."""
 
@@ -13,21 +14,30 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from .common import ADAM, check_pieces, make_model, reference_train, samples
+from nnscaler.models.gpt import make_batch as gpt_batch
 
-CASES = [  # (plan_ngpus, runtime_ngpus, attention)
-    (2, 2, "ring"),
-    (4, 4, "ring"),
-    (2, 4, "ring"),  # two scale units: data x context parallelism
-    (2, 2, "ulysses"),
+from .common import ADAM, GPT_CONFIG, check_pieces, make_model, reference_train, samples
+
+CASES = [  # (plan_ngpus, runtime_ngpus, attention, batch size)
+    (2, 2, "ring", 4),
+    (4, 4, "ring", 1),  # a batch of one: the loss splits over the tokens too
+    (2, 4, "ring", 4),  # two scale units: data x context parallelism
+    (2, 2, "ulysses", 1),
 ]
 
 
-def _worker(rank, world, plan, attention, gen_savedir):
+def _samples(units: int, batch: int) -> list:
+    if batch == 4:
+        return samples("gpt", 3, units, 1)
+    return [[[gpt_batch(GPT_CONFIG, batch, seed=100 * s + u)] for u in range(units)]
+            for s in range(3)]
+
+
+def _worker(rank, world, plan, attention, batch, gen_savedir):
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     units = world // plan
-    data = samples("gpt", 3, units, 1)
+    data = _samples(units, batch)
     ref_losses, ref_state = reference_train(make_model("gpt"), data)
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world,
                         pas_config={"attention": attention})
@@ -49,12 +59,13 @@ def _worker(rank, world, plan, attention, gen_savedir):
     return check_pieces(pm, ref_state)
 
 
-@pytest.mark.parametrize(("plan", "world", "attention"), CASES,
-                         ids=[f"p{p}r{w}-{a}" for p, w, a in CASES])
-def test_sequence_policy_trains_like_one_process(plan, world, attention, tmp_path):
-    checked = run_distributed(_worker, world, plan, attention, str(tmp_path))
+@pytest.mark.parametrize(("plan", "world", "attention", "batch"), CASES,
+                         ids=[f"p{p}r{w}-{a}-b{b}" for p, w, a, b in CASES])
+def test_sequence_policy_trains_like_one_process(plan, world, attention, batch, tmp_path):
+    checked = run_distributed(_worker, world, plan, attention, batch, str(tmp_path))
     assert all(c > 0 for c in checked)
     code = next(Path(tmp_path).rglob("gencode0.py")).read_text()
     assert "context_parallel_attention" in code and "self.part_group(" in code
     want = "'zigzag'" if attention == "ring" else "'ulysses'"
     assert f"strategy={want}" in code
+    assert ("token_parallel_cross_entropy" in code) == (batch == 1)

@@ -101,6 +101,20 @@ def test_odd_chunks_fall_back_to_the_plain_ring():
     assert kinds == {"ring"}  # chunks of one token
 
 
+def test_a_batch_of_one_splits_the_loss_over_the_tokens():
+    cfg = GPTConfig(vocab_size=32, n_layer=1, n_head=4, d_model=16, seq_len=SEQ)
+    module = GPTWithLoss(cfg)
+    args = {"batch": gpt_module.make_batch(cfg, 1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = sequence(IRGraph.from_graph(trace(module, args)), config(4))
+    names = [op.opdef.name for op in graph.nodes() if op.opdef is not None]
+    assert names.count("nnscaler.ops.builtin.token_loss.token_parallel_cross_entropy") == 4
+    check_plan(graph, 4)
+    want = module(**args)
+    torch.testing.assert_close(run_plan(graph, module, args), want, rtol=1e-5, atol=1e-6)
+
+
 def test_errors():
     with pytest.raises(PolicyError, match=r"Ulysses.*4 devices.*\[4, 2, 2\].*'ring'"):
         _plan("hf_llama", 4, attention="ulysses")

@@ -21,6 +21,7 @@ FAMILIES: tuple[str, ...] = (
     "nn",
     "norm",
     "loss",
+    "token_loss",
     "conv",
     "attention",
     "context_parallel",

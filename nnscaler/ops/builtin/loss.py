@@ -11,7 +11,9 @@ The marks follow the reduction:
 
 A dim that a per-sample loss mixes (the class dim of cross_entropy) is ``^`` throughout;
 cross_entropy's transform rule splits its class dim all the same, into parts that run
-`class_parallel_cross_entropy` and exchange a few numbers per sample.
+`class_parallel_cross_entropy` and exchange a few numbers per sample; with
+``reduction='mean'`` another rule splits its tokens (dim 0), into parts that run
+`nnscaler.ops.builtin.token_loss.token_parallel_cross_entropy`.
 The output of a reduced loss is the 0-d tensor ``1``.
 """
 
@@ -211,7 +213,14 @@ def _class_parallel_ce_anno(input, target, weight=None, size_average=None, ignor
 
 def cross_entropy_rules(bound: Any) -> list[TransformRule]:
     """cross_entropy without class weights splits its class dim: the parts run
-    `class_parallel_cross_entropy` and each returns the whole loss."""
+    `class_parallel_cross_entropy` and each returns the whole loss; a mean one also
+    splits its tokens (`token_rules`)."""
+    from nnscaler.ops.builtin.token_loss import token_rules
+
+    return _class_rules(bound) + token_rules(bound)
+
+
+def _class_rules(bound: Any) -> list[TransformRule]:
     x, t, w = bound.input_shapes[:3]
     if x is None or t is None or w is not None or not x:
         return []
