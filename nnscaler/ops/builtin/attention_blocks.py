@@ -22,10 +22,20 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BlockAttention", "Segment", "additive_mask", "reduce_to"]
+__all__ = ["TILE", "BlockAttention", "Segment", "additive_mask", "reduce_to", "tiles"]
 
 #: global token range ``(start, stop)`` of a piece of the sequence
 Segment = tuple[int, int]
+
+#: the most tokens of a query or key tile: one product's scores are at most TILE x TILE
+#: per head, whatever the chunk (the transient memory of a block stays bounded)
+TILE = 512
+
+
+def tiles(segments: Sequence[Segment], size: int | None = None) -> list[Segment]:
+    """``segments`` cut into consecutive pieces of at most ``size`` (`TILE`) tokens."""
+    size = TILE if size is None else size
+    return [(s, min(s + size, b)) for a, b in segments for s in range(a, b, size)]
 
 
 def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -59,7 +69,7 @@ class BlockAttention:
 
     def __init__(self, q: torch.Tensor, segments: Sequence[Segment], *, scale: float,
                  causal: bool, mask: torch.Tensor | None, repeat: int = 1) -> None:
-        self.q, self.segments, self.scale = q, list(segments), scale
+        self.q, self.segments, self.scale = q, tiles(segments), scale
         self.causal, self.mask, self.repeat = causal, mask, repeat
         self.acc: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = (
             [None] * len(self.segments))
@@ -101,8 +111,9 @@ class BlockAttention:
         """``(query segment index, its row offset, its segment, key offset, key segment)``
         for every pair that is not wholly masked."""
         koff = 0
-        for ks in segments:
-            for i, (qoff, qs) in enumerate(self._rows()):
+        rows = self._rows()
+        for ks in tiles(segments):
+            for i, (qoff, qs) in enumerate(rows):
                 if not (self.causal and ks[0] > qs[1] - 1):  # some key not after every query
                     yield i, qoff, qs, koff, ks
             koff += ks[1] - ks[0]

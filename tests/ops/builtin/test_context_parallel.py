@@ -229,3 +229,13 @@ def test_strategies_on_processes_match_whole_attention(world):
     from dist_utils import run_distributed
 
     assert all(run_distributed(_dist_worker, world))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "zigzag", "allgather"])
+def test_tiles_smaller_than_the_chunks(strategy, monkeypatch):
+    """Blocks are computed in tiles of at most TILE tokens (here 3: uneven tiles)."""
+    monkeypatch.setattr(attention_blocks, "TILE", 3)
+    q, k, v = _inputs(1, 2, 1, 16, 4, 4, seed=9)
+    _compare(q, k, v, 2, strategy, causal=True, gqa=True)
+    _compare(q, k, v, 2, strategy, mask=_packed_mask(16, [5, 11], causal=True), gqa=True)
+    _compare(q, k, v, 1, "ring", causal=True, gqa=True)  # the own backward, tiled
