@@ -9,8 +9,10 @@ are replicated and each consumer reads the slice of its chunk, so every chunk ge
 own position offsets. Self-attention (``scaled_dot_product_attention``) is split by the
 rules of `nnscaler.ops.builtin.context_parallel`: ``pas_config['attention']`` is
 ``'ring'`` (the default; zigzag balanced when causal and the sequence divides by twice the
-devices) or ``'ulysses'``. Attention is the only op whose parts talk; a loss whose tokens
-cannot be split (``reduction='mean'``) gathers its inputs.
+devices) or ``'ulysses'``. A mean cross-entropy over tokens that carry the sequence (a
+batch of one, flattened) splits too, its parts all-reducing their sums and counts
+(`nnscaler.ops.builtin.token_loss`); over a flattened batch of several sequences the
+tokens of a chunk are not contiguous, so the logits are gathered for the loss.
 
 Data parallelism composes through the scale units (``runtime_ngpus = k * plan_ngpus``).
 """
@@ -22,6 +24,7 @@ from typing import Any
 from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import Graph, Op, SubTensor
+from nnscaler.ops.builtin.token_loss import token_split
 from nnscaler.policies.batch_split import _batch_transform, _follow, batch_dims_of_inputs
 from nnscaler.policies.common import PolicyError, as_policy_graph, assign_parts, policy_config
 
@@ -92,6 +95,13 @@ def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
                           f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
     g = as_policy_graph(graph)
     seq = _sequence_dims(g, cfg.get("sequence_dims"), n)
+    with token_split():
+        _place(g, seq, n, strategy)
+    g.check(n)
+    return g
+
+
+def _place(g: IRGraph, seq: dict, n: int, strategy: str) -> None:
     for op in g.nodes():
         if n == 1:
             g.assign(op, 0)
@@ -113,8 +123,6 @@ def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
         if parts is None:
             parts = g.replicate(op, n)
         assign_parts(g, parts)
-    g.check(n)
-    return g
 
 
 def _follow_output(op: Op, seq: dict) -> None:

@@ -7,11 +7,17 @@ same (a long sequence split across devices, a batch of one): each part adds its 
 tokens' losses and counts them, and one all-reduce of those two numbers gives every part
 the whole mean. Its gradient is the all-reduce's adjoint: each part's sum receives the
 gradient of every part's result.
+
+The rule is offered inside `token_split` only (the ``sequence`` policy plans in it): the
+other policies keep the plans they had, in which a mean loss gathers its inputs.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -21,9 +27,21 @@ from nnscaler.anno import DimAnno, Reduce, Replicate, Split, TransformRule
 from nnscaler.anno.partgroup import SINGLE
 from nnscaler.ops.registry import OpRegistry
 
-__all__ = ["TOKEN_PARALLEL_CE", "token_parallel_cross_entropy", "token_rules"]
+__all__ = ["TOKEN_PARALLEL_CE", "token_parallel_cross_entropy", "token_rules", "token_split"]
 
 TOKEN_PARALLEL_CE = "nnscaler.ops.builtin.token_loss.token_parallel_cross_entropy"
+
+_OFFERED: ContextVar[bool] = ContextVar("nnscaler_token_split", default=False)
+
+
+@contextmanager
+def token_split() -> Iterator[None]:
+    """Within it, a mean cross_entropy's transform space includes the token split."""
+    token = _OFFERED.set(True)
+    try:
+        yield
+    finally:
+        _OFFERED.reset(token)
 
 
 def token_parallel_cross_entropy(
@@ -50,9 +68,9 @@ def token_parallel_cross_entropy(
 
 def token_rules(bound: Any) -> list[TransformRule]:
     """cross_entropy with ``reduction='mean'`` over ``(N, C, ...)`` splits ``N`` (the
-    annotation marks a mean's token dim ``^``, a sum's ``+``)."""
+    annotation marks a mean's token dim ``^``, a sum's ``+``), inside `token_split`."""
     x, t, w = bound.input_shapes[:3]
-    if x is None or t is None or len(x) < 2:
+    if not _OFFERED.get() or x is None or t is None or len(x) < 2:
         return []
     first = bound.expanded.inputs[0].dims[0]
     if not isinstance(first, DimAnno) or first.idents[0].reduce is not Reduce.FROZEN:

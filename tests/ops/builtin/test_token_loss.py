@@ -40,3 +40,18 @@ def test_token_split_matches_the_whole_mean(n, kind):
     shares = [1.0 / n] * n  # the runtime seeds each part's copy of the loss with a share
     grads = torch.autograd.grad(sum(o * s for o, s in zip(outs, shares, strict=True)), xs)
     torch.testing.assert_close(torch.cat(grads), want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_the_token_split_is_offered_inside_token_split_only():
+    from nnscaler.anno import parse
+    from nnscaler.ops.builtin.token_loss import token_split
+    from nnscaler.plugins import get_plugin_manager
+
+    opdef = get_plugin_manager().ops.get("torch.nn.functional.cross_entropy")
+    x, t = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    bound = parse(opdef.annotation(x, t)).bind([tuple(x.shape), tuple(t.shape), None], {})
+    outside = [r.part_op for r in opdef.rules_for(bound)]
+    with token_split():
+        inside = [r.part_op for r in opdef.rules_for(bound)]
+    assert "nnscaler.ops.builtin.token_loss.token_parallel_cross_entropy" not in outside
+    assert inside == [*outside, "nnscaler.ops.builtin.token_loss.token_parallel_cross_entropy"]
