@@ -286,7 +286,8 @@ def _ulysses(query, key, value, mask, group, opts) -> torch.Tensor:
 def sequence_rules(bound: Any) -> list[TransformRule]:
     """Self-attention (``L == S``) splits along the sequence: splitting the key's sequence
     dim (``idx=1``) runs the ring (zigzag when causal and the sequence divides by twice
-    the parts), the value's (``idx=2``) Ulysses (offered where the heads divide)."""
+    the parts), the value's (``idx=2``) Ulysses (the ring where the heads do not divide
+    by the parts)."""
     shapes = bound.input_shapes
     q, k, v = shapes[:3]
     mask = shapes[3] if len(shapes) > 3 else None
@@ -310,7 +311,12 @@ def sequence_rules(bound: Any) -> list[TransformRule]:
         return {**kwargs, "strategy": "zigzag" if zig else "ring"}
 
     def ulysses(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
-        return {**kwargs, "strategy": "ulysses"}
+        # every num that divides the sequence is a legal split; where the heads do not
+        # divide it the parts run the ring (asked for by name, Ulysses raises instead:
+        # `nnscaler.policies.sequence.attention_split`, the op's strategy argument)
+        heads_divide = q[-3] % num == 0 and k[-3] % num == 0
+        return {**kwargs, "strategy": "ulysses" if heads_divide else ring(
+            kwargs, idx, dim, num, part)["strategy"]}
 
     out = (Split(len(q) - 2),)
     rules = [TransformRule(inputs=ring_in, outputs=out, modifier=ring,
