@@ -206,13 +206,13 @@ class NnScalerStrategy(DDPStrategy):
         if isinstance(model, ParallelModule):  # a second fit() on the same module
             self.parallel_module = model
             return
-        example = self.dummy_input if self.dummy_input is not None else getattr(
-            lm, "example_input_array", None)
+        example = self._dummy_input(lm)
         if example is None:
             raise LightningIntegrationError(
                 f"NnScalerStrategy traces {type(model).__name__} on a dummy input: set "
-                f"{type(lm).__name__}.example_input_array (the model's forward arguments) "
-                f"or pass NnScalerStrategy(dummy_input=...)"
+                f"{type(lm).__name__}.example_input_array (the model's forward arguments), "
+                f"nnScaler's dummy_forward_args / dummy_forward_args_fn, or pass "
+                f"NnScalerStrategy(dummy_input=...)"
             )
         args = _as_forward_args(model, example)
         args = {k: (v.to(self.root_device) if isinstance(v, torch.Tensor) else v)
@@ -221,6 +221,28 @@ class NnScalerStrategy(DDPStrategy):
                          gen_savedir=self.gen_savedir)
         setattr(lm, self.module_attr, pm)
         self.parallel_module = pm
+
+    def _dummy_input(self, lm: Any) -> Any:
+        """The dummy input, first found of: the strategy's ``dummy_input``; nnScaler's
+        ``dummy_forward_args`` (a dict) or ``dummy_forward_args_fn(batch)`` (applied to the
+        first batch of the training data, RNG states untouched) on the LightningModule;
+        its ``example_input_array``."""
+        if self.dummy_input is not None:
+            return self.dummy_input
+        if getattr(lm, "dummy_forward_args", None) is not None:
+            if not isinstance(lm.dummy_forward_args, Mapping):
+                raise LightningIntegrationError(
+                    f"{type(lm).__name__}.dummy_forward_args must be a dict of the model's "
+                    f"forward arguments by name, got {type(lm.dummy_forward_args).__name__}")
+            return dict(lm.dummy_forward_args)
+        fn = getattr(lm, "dummy_forward_args_fn", None)
+        if fn is not None:
+            if not callable(fn):
+                raise LightningIntegrationError(
+                    f"{type(lm).__name__}.dummy_forward_args_fn must be a function "
+                    f"batch -> forward arguments, got {type(fn).__name__}")
+            return fn(_first_training_batch(lm))
+        return getattr(lm, "example_input_array", None)
 
     def setup(self, trainer: pl.Trainer) -> None:
         if self.accelerator is None:  # Lightning's Trainer sets it before calling setup
@@ -334,3 +356,22 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.step = step_after_closure  # type: ignore[method-assign]
 
+
+def _first_training_batch(lm: Any) -> Any:
+    """The first batch of the data ``fit`` was given, read with every RNG state put back
+    (so training draws the same numbers as without the strategy)."""
+    import random
+
+    source = getattr(getattr(getattr(lm, "trainer", None), "fit_loop", None), "_data_source",
+                     None)
+    if source is None or not source.is_defined():
+        raise LightningIntegrationError(
+            f"{type(lm).__name__}.dummy_forward_args_fn needs a batch of the training data, "
+            f"but fit() was given none yet. Fix: pass train_dataloaders to fit(), or set "
+            f"dummy_forward_args (a dict) instead")
+    states = (random.getstate(), torch.get_rng_state())
+    try:
+        return next(iter(source.dataloader()))
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
