@@ -195,3 +195,17 @@ def test_optional_compute_config():
     assert cfg == ComputeConfig(1, 2, use_zero=True)  # not end2end; 0 is the default bucket
     with pytest.raises(ConfigError, match="zero_ngroups"):
         OptionalComputeConfig(zero_ngroups=2).resolve(base)
+
+
+def test_refused_nnscaler_forms(tmp_path):
+    text = YAML.replace("micro_batch_size: 4", "micro_batch_size: 4\nprecision:\n  param: bf16")
+    with pytest.raises(ConfigError, match="per-tensor form"):
+        TrainerArgs.from_cli(["-f", str(_write(tmp_path, text))])
+    for key, fix in (("dummy_sample_gen_fn: x.y", "first micro-batch"),
+                     ("log_progress_every_n_train_steps: 5", "log_every_n_steps")):
+        with pytest.raises(ConfigError, match=fix):
+            TrainerArgs.from_cli(["-f", str(_write(tmp_path, YAML + key + "\n"))])
+    with pytest.raises(ConfigError, match="init_module: cannot import"):
+        TrainerArgs.from_cli(["-f", str(_write(tmp_path, YAML + "init_module: no.such\n"))])
+    loaded = TrainerArgs.from_cli(["-f", str(_write(tmp_path, YAML + f"init_module: {__name__}\n"))])
+    assert loaded.init_module == __name__
