@@ -311,6 +311,8 @@ def _plain(value: Any) -> Any:
         return value.to_dict()
     if isinstance(value, ComputeConfig):
         return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -89,3 +89,12 @@ def test_parallel_modules_config_errors():
         ModelConfig(type=Outer, parallel_modules=[
             {"type": Block, "forward_args_gen_fn": block_args,
              "compute_config": {"plan_ngpus": 2}}])
+
+
+def test_parallel_modules_to_dict(tmp_path):
+    args = _submodule_args(tmp_path, 1, 1, "dp")
+    args.model.parallel_modules[0].compute_config = {"use_zero": False}
+    args.model.parallel_modules[0]._validate("model.parallel_modules.0.")
+    plain = args.to_dict()["model"]["parallel_modules"][0]
+    assert plain["compute_config"]["use_zero"] is False
+    assert plain["type"].endswith(".Block")
