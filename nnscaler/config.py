@@ -402,6 +402,7 @@ class ComputeConfig:
 
     def __post_init__(self) -> None:
         if self.runtime_ngpus is None:
+            _positive_int("plan_ngpus", self.plan_ngpus)  # its own error comes first
             object.__setattr__(self, "runtime_ngpus", _world_size())
         for f in dataclasses.fields(self):
             f.metadata["check"](f.name, getattr(self, f.name))

@@ -60,7 +60,8 @@ def test_logger_plugin_gets_the_metrics(tmp_path, fresh_plugins, monkeypatch):
     run_trainer(trainer_args(tmp_path, max_train_steps=3, log_every_n_steps=1,
                              log=[LogConfig(type="recorder", args={"tag": "x"})]))
     assert Recorder.records[0] == ("setup", 3)
-    assert Recorder.records[1] == ("train", 1, ["loss", "lr", "samples_per_sec"])
+    # the gradient norm every step, clipped or not (as nnScaler's Trainer logs it)
+    assert Recorder.records[1] == ("train", 1, ["gnorm", "loss", "lr", "samples_per_sec"])
     assert Recorder.records[-1] == ("finalize",)
     # a class given by import path works without a plugin
     Recorder.records = []
