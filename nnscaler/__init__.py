@@ -35,7 +35,7 @@ from nnscaler.hookspecs import hookimpl
 from nnscaler.ir.graph import GraphError
 from nnscaler.ir.interpreter import InterpreterError
 from nnscaler.layout import LayoutError
-from nnscaler.ops.registry import register_op
+from nnscaler.ops.user_ops import register_op
 from nnscaler.parallel import (
     BroadcastGenFilesStrategy,
     ComputeConfig,
