@@ -47,10 +47,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from nnscaler.errors import VerifyError
 from nnscaler.parallel.config import ComputeConfig
 from nnscaler.parallel.verify_compare import Compare
 from nnscaler.parallel.verify_ranks import backward, fresh, run_everywhere
-from nnscaler.parallel.verify_report import ATOL, RTOL, Difference, VerifyError, VerifyReport
+from nnscaler.parallel.verify_report import ATOL, RTOL, Difference, VerifyReport
 
 __all__ = ["Difference", "VerifyError", "VerifyReport", "verify"]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from nnscaler.config import ComputeConfig
-from nnscaler.parallel.verify_report import VerifyError
+from nnscaler.errors import VerifyError
 from nnscaler.testing import free_port
 
 

@@ -1,20 +1,14 @@
-"""What [`verify`][nnscaler.verify] returns and raises: the first
-[`Difference`][nnscaler.Difference], the [`VerifyReport`][nnscaler.VerifyReport], `VerifyError`,
-and the default tolerances.
+"""What [`verify`][nnscaler.verify] returns: the first [`Difference`][nnscaler.Difference],
+the [`VerifyReport`][nnscaler.VerifyReport], and the default tolerances. (What it raises,
+`VerifyError`, lives in `nnscaler.errors` with every other error.)
 """
 
 from __future__ import annotations
 
 import attrs
 
-from nnscaler.errors import NNScalerError
-
 #: Default tolerances: the project's parity standard for float32.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-class VerifyError(NNScalerError, RuntimeError):
-    """``verify`` could not run the comparison (a rank failed, a bad argument)."""
 
 
 @attrs.frozen(kw_only=True)
