@@ -95,13 +95,11 @@ class PartGroupError(NNScalerError, RuntimeError):
     """A collective part op was misused (bad reduce op, parts that disagree, a failed part)."""
 
 
-
 # -- layouts (`nnscaler.layout`) -----------------------------------------------------
 
 
 class LayoutError(NNScalerError, ValueError):
     """A layout, plan or per-device tensor set breaks a rule of the RVD algebra."""
-
 
 
 # -- pipeline schedules (`nnscaler.schedule`) ----------------------------------------
@@ -119,7 +117,6 @@ class ScheduleError(NNScalerError, ValueError):
         self.action = action
 
 
-
 # -- the graph IR (`nnscaler.ir`) ----------------------------------------------------
 
 
@@ -135,7 +132,6 @@ class GraphMismatchError(NNScalerError, AssertionError):
     """The graph computed something other than the module it was traced from."""
 
 
-
 # -- the compute configuration (`nnscaler.config`) and small helpers (`nnscaler.utils`) ---
 
 
@@ -146,6 +142,13 @@ class ComputeConfigError(NNScalerError, ValueError):
 class LoggerLevelError(NNScalerError, ValueError):
     """A logging level that the logging module does not know."""
 
+
+# -- the built-in ops (`nnscaler.ops`) -----------------------------------------------
+
+
+class ContextParallelError(NNScalerError, ValueError):
+    """Attention cannot be split along the sequence as asked (a length the parts do not
+    divide, too few heads for Ulysses, a mask or dropout the split cannot keep)."""
 
 
 # -- tracing (`nnscaler.trace`) ------------------------------------------------------
@@ -179,7 +182,6 @@ class OpaqueOpWarning(UserWarning):
     """A torch function with no dim annotation was recorded as an opaque op (replicated only)."""
 
 
-
 # -- the policy writer's API (`nnscaler.graph`) and the policies (`nnscaler.policies`) ---
 
 
@@ -207,14 +209,12 @@ class PolicyError(PlanError):
     """A built-in policy cannot plan the graph with the compute config it was given."""
 
 
-
 # -- code generation (`nnscaler.codegen`) --------------------------------------------
 
 
 class CodegenError(NNScalerError, ValueError):
     """A planned graph that cannot be turned into per-rank programs; the message says
     which rule it breaks, what was seen, and how to fix the plan or the model."""
-
 
 
 # -- the runtime (`nnscaler.runtime`) ------------------------------------------------
@@ -238,7 +238,6 @@ class ParallelModuleError(NNScalerError, RuntimeError):
 
 class PipelineError(ParallelModuleError):
     """A pipelined module was called in a way its schedule cannot run."""
-
 
 
 # -- parallelize, verify and their files (`nnscaler.parallel`) -----------------------
@@ -290,7 +289,6 @@ class WorkerError(NNScalerError, RuntimeError):
     function and the remote traceback)."""
 
 
-
 # -- the Trainer (`nnscaler.trainer`) ------------------------------------------------
 
 
@@ -312,7 +310,6 @@ class TrainerCheckpointError(NNScalerError, ValueError):
 
 class MixedPrecisionError(NNScalerError, ValueError):
     """A precision setting that cannot work."""
-
 
 
 # -- the command line and the integrations (`nnscaler.cli`, `nnscaler.integration`) ---
