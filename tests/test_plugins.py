@@ -264,3 +264,15 @@ def test_plugin_packages_import_the_kernel_through_nnscaler_extend():
                      "names of nnscaler, or nnscaler.errors); add what it needs to "
                      "nnscaler/extend.py instead of importing a kernel module:\n"
                      + "\n".join(bad))
+
+
+def test_docs_list_what_nnscaler_extend_exports():
+    import re
+    from pathlib import Path
+
+    import nnscaler.extend
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    section = doc.split("## What a plugin imports")[1].split("\n## ")[0]
+    listed = set(re.findall(r"`(\w+)`", section))
+    assert not set(nnscaler.extend.__all__) - listed, sorted(set(nnscaler.extend.__all__) - listed)
