@@ -146,6 +146,11 @@ class LoggerLevelError(NNScalerError, ValueError):
 # -- the built-in ops (`nnscaler.ops`) -----------------------------------------------
 
 
+class MoEError(NNScalerError, ValueError):
+    """An MoE layer that cannot run as asked: bad shapes, an unknown activation, an expert
+    count the parts cannot divide, or a capacity that would drop tokens unasked."""
+
+
 class ContextParallelError(NNScalerError, ValueError):
     """Attention cannot be split along the sequence as asked (a length the parts do not
     divide, too few heads for Ulysses, a mask or dropout the split cannot keep)."""
@@ -176,6 +181,14 @@ class DataDependentError(TraceError):
 
 class MetaDataDependentError(DataDependentError, MetaTraceError):
     """A value read from tensor data while tracing with the ``meta`` strategy."""
+
+
+class ConstantFoldingError(TraceError):
+    """A forward asked the tracer not to fold Python values into constants."""
+
+
+class UnplacedExpertsWarning(UserWarning):
+    """A module looks like an expert stack but cannot be recorded as `moe_experts`."""
 
 
 class OpaqueOpWarning(UserWarning):
@@ -230,6 +243,10 @@ class DeviceError(NNScalerError, RuntimeError):
 
 class GroupError(NNScalerError, RuntimeError):
     """A process group that is malformed, or that was not created collectively."""
+
+
+class MixedPrecisionError(NNScalerError, ValueError):
+    """A precision setting that cannot work."""
 
 
 class ParallelModuleError(NNScalerError, RuntimeError):
@@ -306,10 +323,6 @@ class TrainerError(NNScalerError, RuntimeError):
 
 class TrainerCheckpointError(NNScalerError, ValueError):
     """A checkpoint folder that cannot be resumed from, or a save that failed."""
-
-
-class MixedPrecisionError(NNScalerError, ValueError):
-    """A precision setting that cannot work."""
 
 
 # -- the command line and the integrations (`nnscaler.cli`, `nnscaler.integration`) ---
