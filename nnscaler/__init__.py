@@ -3,8 +3,7 @@ parallel program, emitted as readable PyTorch code per rank."""
 
 from __future__ import annotations
 
-from nnscaler.anno import AnnotationError, PromiseBrokenError, TransformRule
-from nnscaler.anno.partgroup import PartGroupError
+from nnscaler.anno import TransformRule
 from nnscaler.checkpoint import (
     deduped_state_dict,
     load_deduped_state_dict,
@@ -17,88 +16,75 @@ from nnscaler.checkpoint import (
     meta_parameters,
     save_pretrained,
 )
-from nnscaler.codegen.errors import CodegenError
-from nnscaler.config import ComputeConfigError
-from nnscaler.errors import (
+
+# Every error class, importable from ``nnscaler`` as before; not in ``__all__``: import
+# them from ``nnscaler.errors``, their one home.
+from nnscaler.errors import (  # noqa: F401
+    AnnotationError,
     CheckpointError,
+    CodegenError,
+    CollectiveError,
+    ComputeConfigError,
+    CustomOpCheckError,
+    DataDependentError,
     DuplicateRegistrationError,
+    GenFilesError,
+    GraphError,
+    InterpreterError,
+    LayoutError,
     NNScalerError,
     OptimizerStateError,
+    ParallelizeError,
+    ParallelModuleError,
+    PartGroupError,
+    PipelineError,
+    PlanError,
     PluginError,
+    PolicyError,
+    PromiseBrokenError,
     RegistrationError,
+    ReuseMismatchError,
+    ScheduleError,
     StateDictMismatchError,
+    TraceError,
     UnknownNameError,
+    VerifyError,
 )
 from nnscaler.graph import IRGraph
-from nnscaler.graph.errors import PlanError
-from nnscaler.hookspecs import hookimpl
-from nnscaler.ir.graph import GraphError
-from nnscaler.ir.interpreter import InterpreterError
-from nnscaler.layout import LayoutError
-from nnscaler.ops.registry import register_op
+from nnscaler.hookspecs import hookimpl  # noqa: F401 - plugin authors: nnscaler.extend
+from nnscaler.ops.user_ops import register_op
 from nnscaler.parallel import (
     BroadcastGenFilesStrategy,
     ComputeConfig,
     ReuseType,
-    VerifyError,
     VerifyReport,
     broadcast_weights,
     build_optimizer,
     parallelize,
     verify,
 )
-from nnscaler.parallel.api import ParallelizeError, ReuseMismatchError
-from nnscaler.parallel.op_checks import CustomOpCheckError
-from nnscaler.parallel.paths import GenFilesError
-from nnscaler.plugins import get_plugin_manager
-from nnscaler.policies.common import PolicyError
-from nnscaler.runtime.collectives import CollectiveError
+from nnscaler.plugins import get_plugin_manager  # noqa: F401 - plugin authors: nnscaler.extend
 from nnscaler.runtime.device import init, uninit
-from nnscaler.runtime.module import ParallelModule, ParallelModuleError
-from nnscaler.runtime.pipeline import PipelineError
+from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.reducer import sync_grad_when
-from nnscaler.schedule.errors import ScheduleError
-from nnscaler.trace.errors import DataDependentError, TraceError
 from nnscaler.trace.markers import anchor, constant_folding, fold_constant, no_constant_folding
 
 __version__ = "0.1.0"
 
+#: The workflow: compile (parallelize, ComputeConfig), train (build_optimizer,
+#: ParallelModule), check (verify), save and load (the checkpoint and pretrained-weights
+#: functions), extend with ops and policies (register_op, TransformRule, IRGraph), nnScaler
+#: 0.8's workflow names (init, sync_grad_when, the constant-folding markers, ...) and the
+#: root of every error. Errors are in `nnscaler.errors`; plugin authors import from
+#: `nnscaler.extend`.
 __all__ = [
-    "AnnotationError",
     "BroadcastGenFilesStrategy",
-    "CheckpointError",
-    "CodegenError",
-    "CollectiveError",
     "ComputeConfig",
-    "ComputeConfigError",
-    "CustomOpCheckError",
-    "DataDependentError",
-    "DuplicateRegistrationError",
-    "GenFilesError",
-    "GraphError",
     "IRGraph",
-    "InterpreterError",
-    "LayoutError",
     "NNScalerError",
-    "OptimizerStateError",
     "ParallelModule",
-    "ParallelModuleError",
-    "ParallelizeError",
-    "PartGroupError",
-    "PipelineError",
-    "PlanError",
-    "PluginError",
-    "PolicyError",
-    "PromiseBrokenError",
-    "RegistrationError",
-    "ReuseMismatchError",
     "ReuseType",
-    "ScheduleError",
-    "StateDictMismatchError",
-    "TraceError",
     "TransformRule",
-    "UnknownNameError",
-    "VerifyError",
     "VerifyReport",
     "__version__",
     "anchor",
@@ -107,8 +93,6 @@ __all__ = [
     "constant_folding",
     "deduped_state_dict",
     "fold_constant",
-    "get_plugin_manager",
-    "hookimpl",
     "init",
     "load_deduped_state_dict",
     "load_merged_state_dict",

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import ComputeConfigError
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -55,10 +55,6 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 #: The pipeline schedule used when ``pas_config`` names none.
 DEFAULT_SCHEDULER = "1f1b"
-
-
-class ComputeConfigError(NNScalerError, ValueError):
-    """A ``ComputeConfig`` field with a value that cannot work."""
 
 
 # -- frozen, JSON-able values -----------------------------------------------------------

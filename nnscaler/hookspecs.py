@@ -133,7 +133,11 @@ def nnscaler_register_adapters(registry: Registry) -> None:
         plugin.
 
     The layout planner only composes registered primitives, so a plugin can add a
-    faster or a hierarchical one. Example::
+    faster or a hierarchical one. The one registration brings both sides of the
+    primitive: the planner uses its ``forward``, ``cost`` and adjoint, and the runtime
+    runs each of its steps with its ``run_step(step, rank, x, ctx)`` (and gives its groups
+    process groups when ``needs_process_group`` is true); a subclass of a built-in
+    primitive inherits the built-in's runtime side. Example::
 
         @nnscaler.hookimpl
         def nnscaler_register_adapters(registry):

@@ -7,7 +7,7 @@ Plugins are found in this order:
 2. every entry point in the group ``nnscaler`` (skipped when the environment variable
    ``NNSCALER_DISABLE_PLUGIN_AUTOLOAD`` is set to a true value);
 3. ops registered from user code with [`nnscaler.register_op`][nnscaler.register_op]
-   (`nnscaler.ops.registry.user_ops`, replayed into every manager).
+   (`nnscaler.ops.user_ops.user_ops`, replayed into every manager).
 
 The registries validate what plugins give them (`nnscaler.registry`): a policy or
 schedule must be a callable of the right parameters, an adapter a
@@ -38,7 +38,8 @@ import pluggy
 from nnscaler import hookspecs
 from nnscaler.errors import PluginError, RegistrationError
 from nnscaler.layout.primitives import check_adjoints, validate_primitive
-from nnscaler.ops.registry import OpRegistry, user_ops
+from nnscaler.ops.registry import OpRegistry
+from nnscaler.ops.user_ops import user_ops
 from nnscaler.registry import USER_REGISTRANT, Registry, callable_taking, set_registry_provider
 
 ENTRY_POINT_GROUP = "nnscaler"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import LoggerLevelError
 
 __all__ = ["LOG_FORMAT", "set_default_logger_level"]
 
@@ -17,10 +17,6 @@ __all__ = ["LOG_FORMAT", "set_default_logger_level"]
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _HANDLER_FLAG = "_nnscaler_default_handler"
-
-
-class LoggerLevelError(NNScalerError, ValueError):
-    """A logging level that the logging module does not know."""
 
 
 def _level(level: int | str) -> int:

@@ -209,3 +209,70 @@ def test_register_op_replayed_into_new_manager(fresh_plugins):
 
     fresh_plugins.reset_plugin_manager()
     assert "test.replayed" in fresh_plugins.get_plugin_manager().ops
+
+
+def _kernel_imports(source: str) -> list[str]:
+    """The names a plugin module takes from nnscaler other than through `nnscaler.extend`,
+    `nnscaler.errors` and the public names of `nnscaler` (``nnscaler.__all__``)."""
+    import ast
+
+    allowed_modules = {"nnscaler.extend", "nnscaler.errors"}
+    public = set(nnscaler.__all__) | {"extend", "errors"}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "nnscaler":
+                found += [f"nnscaler.{a.name}" for a in node.names if a.name not in public]
+            elif node.module.startswith("nnscaler.") and node.module not in allowed_modules:
+                found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("nnscaler.")
+                      and a.name not in allowed_modules]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "nnscaler" and node.attr not in public):
+            found.append(f"nnscaler.{node.attr}")
+    return found
+
+
+def test_the_import_check_sees_kernel_imports():
+    source = textwrap.dedent("""
+        import nnscaler
+        import nnscaler.runtime
+        from nnscaler import parallelize, hookimpl
+        from nnscaler.extend import IRGraph
+        from nnscaler.errors import PolicyError
+        from nnscaler.graph.blocks import layer_path
+
+        def f():
+            from nnscaler.ir import Op
+            return nnscaler.ComputeConfig, nnscaler.plugins
+    """)
+    assert sorted(_kernel_imports(source)) == sorted([
+        "nnscaler.runtime", "nnscaler.hookimpl", "nnscaler.graph.blocks", "nnscaler.ir",
+        "nnscaler.plugins"])
+
+
+def test_plugin_packages_import_the_kernel_through_nnscaler_extend():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "plugins"
+    files = sorted(root.glob("*/nnscaler_*/**/*.py"))
+    assert len(files) > 10
+    bad = [f"{f.relative_to(root)}: {name}" for f in files
+           for name in _kernel_imports(f.read_text())]
+    assert not bad, ("a plugin package takes kernel names from nnscaler.extend (or the public "
+                     "names of nnscaler, or nnscaler.errors); add what it needs to "
+                     "nnscaler/extend.py instead of importing a kernel module:\n"
+                     + "\n".join(bad))
+
+
+def test_docs_list_what_nnscaler_extend_exports():
+    import re
+    from pathlib import Path
+
+    import nnscaler.extend
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    section = doc.split("## What a plugin imports")[1].split("\n## ")[0]
+    listed = set(re.findall(r"`(\w+)`", section))
+    assert not set(nnscaler.extend.__all__) - listed, sorted(set(nnscaler.extend.__all__) - listed)

@@ -4,7 +4,7 @@
   generated forward) against one training step (forward + backward) of the same parallel
   module, interleaved: the ratio of the check's time to the step's;
 - the tracer putting the module's state back (buffers, parameters written in place, RNG)
-  against tracing without it (``_SavedState`` replaced by a no-op), interleaved;
+  against tracing without it (``SavedState`` replaced by a no-op), interleaved;
 - the promise check of a custom op at ``parallelize``: a compile that runs it, one that
   finds it in the process cache, and one with ``check_custom_ops=False``.
 
@@ -73,20 +73,20 @@ def bench_state_restore(layers: int, repeats: int) -> dict[str, float]:
     config = GPTConfig(vocab_size=1024, n_layer=layers, n_head=4, d_model=256, seq_len=128)
     model = GPTWithLoss(config)
     batch = {"batch": make_batch(config, batch_size=4)}
-    saved_cls = tracer._SavedState
+    saved_cls = tracer.SavedState
     with_, without = [], []
     try:
         for _ in range(repeats):
-            tracer._SavedState = saved_cls
+            tracer.SavedState = saved_cls
             t0 = time.perf_counter()
             trace(model, batch)
             with_.append(time.perf_counter() - t0)
-            tracer._SavedState = _NoSave  # type: ignore[assignment,misc]
+            tracer.SavedState = _NoSave  # type: ignore[assignment,misc]
             t0 = time.perf_counter()
             trace(model, batch)
             without.append(time.perf_counter() - t0)
     finally:
-        tracer._SavedState = saved_cls
+        tracer.SavedState = saved_cls
     return {"trace_ms": statistics.median(with_) * 1e3,
             "trace_without_restore_ms": statistics.median(without) * 1e3,
             "restore_ratio": _median_ratio(with_, without)}

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import PartGroupError
 
 __all__ = [
     "REDUCE_OPS",
@@ -45,10 +45,6 @@ __all__ = [
 ]
 
 REDUCE_OPS = ("sum", "max")
-
-
-class PartGroupError(NNScalerError, RuntimeError):
-    """A collective part op was misused (bad reduce op, parts that disagree, a failed part)."""
 
 
 class PartGroup:

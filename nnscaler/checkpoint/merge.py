@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
-from nnscaler.checkpoint.optimizer import OPTIMIZER_KEY, is_scalar, unmergeable
+from nnscaler.checkpoint.optimizer import is_scalar, unmergeable
+from nnscaler.checkpoint.optimizer_walk import SavedRanks
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
@@ -209,18 +210,6 @@ class _ModuleView:
 
 
 # -- merging optimizer state ---------------------------------------------------------------
-def _guess_optimizer(state: Mapping[Any, Any]) -> str:
-    keys: set[str] = set()
-    for entry in state.values():
-        if isinstance(entry, Mapping):
-            keys.update(str(k) for k in entry)
-    if {"exp_avg", "exp_avg_sq"} <= keys:
-        return "the optimizer (Adam-like)"
-    if "momentum_buffer" in keys:
-        return "the optimizer (SGD-like)"
-    return "the optimizer"
-
-
 def _same_scalar(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return bool(torch.equal(a.cpu(), b.cpu()))
@@ -287,65 +276,6 @@ class _ParamState:
         return out
 
 
-def _rank_entries(views: list[_ModuleView], r: int, osd: Mapping[str, Any]
-                  ) -> tuple[dict[Any, tuple[_ModuleView, Mapping[str, Any]]], str, bool]:
-    """``optimizer index -> (module view, descriptor)`` for rank ``r``, the optimizer's
-    name, and whether the state dict said which tensor is which (else: by order)."""
-    if not isinstance(osd.get("param_groups"), list) or not isinstance(osd.get("state"), Mapping):
-        raise CheckpointError(
-            f"optimizer_state_dicts[{r}] is not an optimizer state dict (it needs 'state' and "
-            f"'param_groups'); pass optimizer.state_dict() of every rank"
-        )
-    indices = [i for g in osd["param_groups"] for i in g["params"]]
-    meta = osd.get(OPTIMIZER_KEY)
-    opt = meta.get("optimizer") if isinstance(meta, Mapping) else None
-    opt = opt or _guess_optimizer(osd["state"])
-    if isinstance(meta, Mapping) and "params" in meta:
-        if len(meta["params"]) != len(indices):
-            raise CheckpointError(
-                f"optimizer_state_dicts[{r}]: its nnscaler metadata lists "
-                f"{len(meta['params'])} tensors but its groups hold {len(indices)}; the state "
-                f"dict was edited after it was saved"
-            )
-        out: dict[Any, tuple[_ModuleView, Mapping[str, Any]]] = {}
-        for i, where in zip(indices, meta["params"]):
-            if where is None:
-                raise CheckpointError(
-                    f"optimizer_state_dicts[{r}]: {opt} updates a tensor (entry {i}) that "
-                    f"belongs to no parallel module; merging supports optimizers over "
-                    f"parallel modules' parameters only (parallelize the whole model)"
-                )
-            view = views[where[0]]
-            out[i] = (view, view.metas[r]["optimizer"][where[1]])
-        return out, opt, True
-    descs = [(view, d) for view in views for d in view.metas[r]["optimizer"]]
-    if len(descs) != len(indices):
-        raise CheckpointError(
-            f"optimizer_state_dicts[{r}]: {opt} has {len(indices)} tensors but the parallel "
-            f"modules of module_state_dicts[{r}] hand {len(descs)} to an optimizer. Merging "
-            f"supports optimizers over the parallel modules' parameters_for_optimizer() only "
-            f"(as nnscaler.build_optimizer makes them); pass each rank's module and optimizer "
-            f"state dicts in the same order"
-        )
-    return dict(zip(indices, descs)), opt, False
-
-
-def _check_shapes(opt: str, r: int, i: Any, state: Mapping[Any, Any], expected: tuple[int, ...],
-                  what: str) -> None:
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != expected:
-            raise CheckpointError(
-                f"optimizer_state_dicts[{r}] entry {i}: {opt}'s state {key!r} has shape "
-                f"{tuple(value.shape)}, but the tensor it belongs to ({what}) has shape "
-                f"{expected} in nnscaler.build_optimizer's order. Either the optimizer "
-                f"orders its tensors differently (several parameter groups?): call "
-                f"nnscaler.checkpoint.track_optimizer(optimizer) after building it so that "
-                f"its state_dict() says which tensor is which, and pass each rank's module "
-                f"and optimizer state dicts in the same order; or its state is not "
-                f"elementwise, and cannot be merged"
-            )
-
-
 def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str, Any]]
                                 ) -> dict[str, Any]:
     """The optimizer state dict of the original module, from every rank's (see
@@ -353,118 +283,80 @@ def merge_optimizer_state_dicts(views: list[_ModuleView], osds: list[Mapping[str
     merge = _OptimizerMerge(views)
     for r, osd in enumerate(osds):
         merge.add_rank(r, osd)
-    merge.add_zero_shards()
-    return merge.build(max(len(osd["param_groups"]) for osd in osds))
+    _add_zero_shards(merge)
+    return _build_merged(merge, max(len(osd["param_groups"]) for osd in osds))
 
 
-class _OptimizerMerge:
+class _OptimizerMerge(SavedRanks):
     """The state of each original parameter, gathered rank by rank."""
 
     def __init__(self, views: list[_ModuleView]) -> None:
-        self.views = views
-        self.hint = views[0].hint
+        super().__init__(views)
         self.params: dict[str, _ParamState] = {}
-        self.group_of: dict[str, int] = {}
-        self.group_hyper: dict[int, dict[str, Any]] = {}
-        #: (prefix, reducer ranks, bucket, nshards) -> shard index -> (rank, state, desc)
-        self.zero: dict[tuple[Any, ...],
-                        dict[int, tuple[int, Mapping[Any, Any], Mapping[str, Any]]]] = {}
-        self.zero_view: dict[tuple[Any, ...], _ModuleView] = {}
+        self.osds: dict[int, Mapping[str, Any]] = {}
         self.opt_name = "the optimizer"
 
     def param_state(self, view: _ModuleView, rec: Mapping[str, Any]) -> _ParamState:
         name = view.prefix + rec["name"]
         return self.params.setdefault(name, _ParamState(name, rec["shape"]))
 
-    def assign_group(self, name: str, g: int, r: int) -> None:
-        if self.group_of.setdefault(name, g) != g:
-            raise CheckpointError(
-                f"optimizer_state_dicts[{r}] puts {name} in parameter group {g}, another rank "
-                f"in group {self.group_of[name]}: every rank must group the parameters alike"
-            )
+    def on_piece(self, view: _ModuleView, rec: Mapping[str, Any], r: int, i: Any,
+                 state: Mapping[Any, Any], opt: str) -> None:
+        self.param_state(view, rec).add(opt, rec, state)
 
-    def add_rank(self, r: int, osd: Mapping[str, Any]) -> None:
-        """Take rank ``r``'s entries: parameter pieces now, ZeRO shards for later."""
-        entries, opt, exact = _rank_entries(self.views, r, osd)
-        self.opt_name = opt
-        for g, group in enumerate(osd["param_groups"]):
-            self.group_hyper.setdefault(g, {k: v for k, v in group.items()
-                                            if k not in ("params", "param_names")})
-            for i in group["params"]:
-                view, desc = entries[i]
-                state = osd["state"].get(i)
-                if desc["kind"] == "param":
-                    rec = view.records[r][desc["attr"]]
-                    self.assign_group(view.prefix + rec["name"], g, r)
-                    if state and not exact:
-                        _check_shapes(opt, r, i, state, sub_shape(rec["index"]),
-                                      describe_piece(rec["name"], rec["shape"], rec["index"]))
-                    if state:
-                        self.param_state(view, rec).add(opt, rec, state)
-                    continue
-                for attr, _, _ in desc["members"]:
-                    self.assign_group(view.prefix + view.records[r][attr]["name"], g, r)
-                if not state:
-                    continue
-                if not exact:
-                    _check_shapes(opt, r, i, state, (int(desc["shard_numel"]),),
-                                  f"a ZeRO shard of {len(desc['members'])} parameters")
-                key = (view.prefix, tuple(desc["reducer"]), int(desc["bucket"]),
-                       int(desc["nshards"]))
-                self.zero.setdefault(key, {}).setdefault(int(desc["shard_index"]),
-                                                         (r, state, desc))
-                self.zero_view[key] = view
+    def add_rank(self, r: int, osd: Mapping[str, Any]) -> str:
+        self.osds[r] = osd
+        self.opt_name = super().add_rank(r, osd)
+        return self.opt_name
 
-    def add_zero_shards(self) -> None:
-        """Join each reducer bucket's shards and cut them into its parameters' pieces."""
-        for key, shards in self.zero.items():
-            view, nshards = self.zero_view[key], key[3]
-            missing = [s for s in range(nshards) if s not in shards]
-            if missing:
-                raise CheckpointError(
-                    f"merge_state_dicts: the ZeRO shards {missing} of {nshards} of a reducer "
-                    f"bucket of ranks {list(key[1])} are in none of the optimizer state dicts "
-                    f"given; {self.hint}"
-                )
-            r0, state0, desc0 = shards[0]
-            flat: dict[Any, torch.Tensor] = {}
-            for k, value in state0.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and \
-                        value.numel() == int(desc0["shard_numel"]):
-                    flat[k] = torch.cat([shards[s][1][k].reshape(-1) for s in range(nshards)])
-            for attr, offset, count in desc0["members"]:
-                rec = view.records[r0][attr]
-                cut = {k: f[int(offset): int(offset) + int(count)].view(sub_shape(rec["index"]))
-                       for k, f in flat.items()}
-                self.param_state(view, rec).add(self.opt_name, rec, state0, pieces_of=cut)
 
-    def build(self, ngroups: int) -> dict[str, Any]:
-        """The merged state dict: groups in rank order, parameters in the module's order."""
-        order: list[str] = []
-        extra_trainable: set[str] = set()
-        for view in self.views:
-            order += [view.prefix + n for n in view.param_order()]
-            extra_trainable.update(view.prefix + n for n in view.unheld_trainable())
-        order += [n for n in self.group_of if n not in set(order)]
-        names_by_group: list[list[str]] = [[] for _ in range(ngroups)]
-        for name in order:
-            if name in self.group_of:
-                names_by_group[self.group_of[name]].append(name)
-            elif name in extra_trainable:
-                names_by_group[0].append(name)  # unused by the graph: no state, first group
-        state_out: dict[int, dict[Any, Any]] = {}
-        groups_out: list[dict[str, Any]] = []
-        index = 0
-        for g, names in enumerate(names_by_group):
-            ids = []
-            for name in names:
-                ids.append(index)
-                if name in self.params:
-                    state_out[index] = self.params[name].build(self.hint)
-                index += 1
-            groups_out.append({**self.group_hyper.get(g, {}), "params": ids,
-                               "param_names": names})
-        return {"state": state_out, "param_groups": groups_out}
+def _add_zero_shards(merge: _OptimizerMerge) -> None:
+    """Join each reducer bucket's shards and cut them into its parameters' pieces."""
+    for key, view, shards in merge.zero_buckets():
+        nshards = key[3]
+        r0, i0, desc0 = shards[0]
+        state0 = merge.osds[r0]["state"][i0]
+        flat: dict[Any, torch.Tensor] = {}
+        for k, value in state0.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and \
+                    value.numel() == int(desc0["shard_numel"]):
+                flat[k] = torch.cat([merge.osds[shards[s][0]]["state"][shards[s][1]][k].reshape(-1)
+                                     for s in range(nshards)])
+        for attr, offset, count in desc0["members"]:
+            rec = view.records[r0][attr]
+            cut = {k: f[int(offset): int(offset) + int(count)].view(sub_shape(rec["index"]))
+                   for k, f in flat.items()}
+            merge.param_state(view, rec).add(merge.opt_name, rec, state0, pieces_of=cut)
+
+
+def _build_merged(merge: _OptimizerMerge, ngroups: int) -> dict[str, Any]:
+    """The merged state dict: groups in rank order, parameters in the module's order."""
+    order: list[str] = []
+    extra_trainable: set[str] = set()
+    for view in merge.views:
+        order += [view.prefix + n for n in view.param_order()]
+        extra_trainable.update(view.prefix + n for n in view.unheld_trainable())
+    order += [n for n in merge.group_of if n not in set(order)]
+    names_by_group: list[list[str]] = [[] for _ in range(ngroups)]
+    for name in order:
+        if name in merge.group_of:
+            names_by_group[merge.group_of[name]].append(name)
+        elif name in extra_trainable:
+            names_by_group[0].append(name)  # unused by the graph: no state, first group
+    state_out: dict[int, dict[Any, Any]] = {}
+    groups_out: list[dict[str, Any]] = []
+    index = 0
+    hint = merge.views[0].hint
+    for g, names in enumerate(names_by_group):
+        ids = []
+        for name in names:
+            ids.append(index)
+            if name in merge.params:
+                state_out[index] = merge.params[name].build(hint)
+            index += 1
+        groups_out.append({**merge.group_hyper.get(g, {}), "params": ids,
+                           "param_names": names})
+    return {"state": state_out, "param_groups": groups_out}
 
 
 def merge_state_dicts(

@@ -27,26 +27,19 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
-from nnscaler.checkpoint.merge import (
-    _check_shapes,
-    _ModuleView,
-    _rank_entries,
-    _same_scalar,
-    parallel_prefixes,
-)
+from nnscaler.checkpoint.merge import _ModuleView, _same_scalar, parallel_prefixes
 from nnscaler.checkpoint.optimizer import (
     OPTIMIZER_KEY,
     is_scalar,
     optimizer_name,
     parallel_modules,
-    tensor_entries,
     unmergeable,
 )
+from nnscaler.checkpoint.optimizer_walk import SavedRanks, hyperparameters, local_groups
 from nnscaler.checkpoint.pieces import REMAP_BYTES, Box, _as_box, _Entry, _load_mmap
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     describe_piece,
-    descriptor_map,
     is_extra_state,
     numel,
     sub_shape,
@@ -55,10 +48,6 @@ from nnscaler.runtime.state import (
 __all__ = ["OptimizerPlan", "OptimizerFilesSource", "plan_optimizer"]
 
 WHAT = "load_resharded"
-
-
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 class _ParamStates:
@@ -110,7 +99,7 @@ def _metadata_only(sd: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in sd.items() if k.endswith(EXTRA_KEY) and is_extra_state(v)}
 
 
-class OptimizerFilesSource:
+class OptimizerFilesSource(SavedRanks):
     """Every rank's optimizer state dict of plan A (paths, memory-mapped, or dicts),
     described with the module files' metadata (``module_sds``, in the same rank order)."""
 
@@ -136,18 +125,13 @@ class OptimizerFilesSource:
         if not prefixes:
             raise CheckpointError(f"{WHAT}: the module files hold no parallel module state, "
                                   f"so the optimizer state cannot be placed")
-        self.views = [_ModuleView(p, list(module_sds)) for p in prefixes]
+        super().__init__([_ModuleView(p, list(module_sds)) for p in prefixes])
         self.params: dict[str, _ParamStates] = {}
-        self.group_of: dict[str, int] = {}
-        self.group_hyper: dict[int, dict[str, Any]] = {}
         self.opt_name: str | None = None  # the class the files name (tracked ones)
         self.opt_label = "the optimizer"
-        #: (prefix, reducer ranks, bucket, nshards) -> shard index -> (rank, state index, desc)
-        self.zero: dict[tuple[Any, ...], dict[int, tuple[int, Any, Mapping[str, Any]]]] = {}
-        self.zero_view: dict[tuple[Any, ...], _ModuleView] = {}
         for r, osd in enumerate(self.osds):
             try:
-                self._add_rank(r, osd)
+                self.add_rank(r, osd)
             except CheckpointError as e:  # say which file
                 text = str(e).removeprefix(f"{WHAT}: ")
                 if self.where[r] in text:
@@ -156,76 +140,47 @@ class OptimizerFilesSource:
         self._add_zero_shards()
 
     # -- describing the saved state (metadata and scalars only) --------------------------
+    what = WHAT
+    given = "optimizer files"
+    lead = f"{WHAT}: "
+
+    def rank_name(self, r: int) -> str:
+        return self.where[r]
+
     def _param(self, view: _ModuleView, rec: Mapping[str, Any]) -> _ParamStates:
         name = view.prefix + rec["name"]
         return self.params.setdefault(name, _ParamStates(name, rec["shape"]))
 
-    def _assign_group(self, name: str, g: int, r: int) -> None:
-        if self.group_of.setdefault(name, g) != g:
-            raise CheckpointError(
-                f"{WHAT}: {self.where[r]} puts {name} in parameter group {g}, another rank in "
-                f"group {self.group_of[name]}: every rank must group the parameters alike"
-            )
-
-    def _add_rank(self, r: int, osd: Mapping[str, Any]) -> None:
-        entries, opt, exact = _rank_entries(self.views, r, osd)
+    def add_rank(self, r: int, osd: Mapping[str, Any]) -> str:
         meta = osd.get(OPTIMIZER_KEY)
         if isinstance(meta, Mapping) and meta.get("optimizer"):
             if self.opt_name is not None and self.opt_name != meta["optimizer"]:
                 raise CheckpointError(f"{WHAT}: {self.where[r]} was saved by "
                                       f"{meta['optimizer']}, another rank's by {self.opt_name}")
             self.opt_name = str(meta["optimizer"])
-        for g, group in enumerate(osd["param_groups"]):
-            self.group_hyper.setdefault(g, _hyper(group))
-            for i in group["params"]:
-                view, desc = entries[i]
-                state = osd["state"].get(i)
-                if desc["kind"] == "param":
-                    rec = view.records[r][desc["attr"]]
-                    self._assign_group(view.prefix + rec["name"], g, r)
-                    if not state:
-                        continue
-                    piece_shape = sub_shape(rec["index"])
-                    if not exact:
-                        _check_shapes(opt, r, i, state, piece_shape, describe_piece(
-                            rec["name"], rec["shape"], rec["index"]))
-                    ps = self._param(view, rec)
-                    for key, value in state.items():
-                        if (isinstance(value, torch.Tensor) and tuple(value.shape) == piece_shape
-                                and (value.dim() > 0 or len(piece_shape) == 0)):
-                            ps.add_piece(key, rec, value.dtype, r, ("param", i, key), opt)
-                        elif is_scalar(value):
-                            ps.add_scalar(key, value, self.where[r])
-                        else:
-                            raise unmergeable(opt, key, value, describe_piece(
-                                rec["name"], rec["shape"], rec["index"]), piece_shape)
-                    continue
-                for attr, _, _ in desc["members"]:
-                    self._assign_group(view.prefix + view.records[r][attr]["name"], g, r)
-                if not state:
-                    continue
-                if not exact:
-                    _check_shapes(opt, r, i, state, (int(desc["shard_numel"]),),
-                                  f"a ZeRO shard of {len(desc['members'])} parameters")
-                key = (view.prefix, tuple(desc["reducer"]), int(desc["bucket"]),
-                       int(desc["nshards"]))
-                self.zero.setdefault(key, {}).setdefault(int(desc["shard_index"]), (r, i, desc))
-                self.zero_view[key] = view
+        opt = super().add_rank(r, osd)
         self.opt_label = self.opt_name or opt
+        return opt
+
+    def on_piece(self, view: _ModuleView, rec: Mapping[str, Any], r: int, i: Any,
+                 state: Mapping[Any, Any], opt: str) -> None:
+        piece_shape = sub_shape(rec["index"])
+        ps = self._param(view, rec)
+        for key, value in state.items():
+            if (isinstance(value, torch.Tensor) and tuple(value.shape) == piece_shape
+                    and (value.dim() > 0 or len(piece_shape) == 0)):
+                ps.add_piece(key, rec, value.dtype, r, ("param", i, key), opt)
+            elif is_scalar(value):
+                ps.add_scalar(key, value, self.where[r])
+            else:
+                raise unmergeable(opt, key, value, describe_piece(
+                    rec["name"], rec["shape"], rec["index"]), piece_shape)
 
     def _add_zero_shards(self) -> None:
         """Each member of a saved ZeRO bucket becomes a piece of its parameter, read from
         the shards its range of the bucket spans."""
         opt = self.opt_label
-        for bucket, shards in self.zero.items():
-            view, nshards = self.zero_view[bucket], bucket[3]
-            missing = [s for s in range(nshards) if s not in shards]
-            if missing:
-                raise CheckpointError(
-                    f"{WHAT}: the ZeRO shards {missing} of {nshards} of a reducer bucket of "
-                    f"ranks {list(bucket[1])} are in none of the optimizer files given; "
-                    f"{view.hint}"
-                )
+        for bucket, view, shards in self.zero_buckets():
             r0, i0, desc0 = shards[0]
             state0 = self.osds[r0]["state"][i0]
             shard_numel = int(desc0["shard_numel"])
@@ -331,7 +286,7 @@ def _check_type(source: OptimizerFilesSource, optimizer: torch.optim.Optimizer) 
             f"{mine}; load them into an optimizer of the same class"
         )
     saved = {k for h in source.group_hyper.values() for k in h}
-    have = {k for g in optimizer.param_groups for k in _hyper(g)}
+    have = {k for g in optimizer.param_groups for k in hyperparameters(g)}
     if source.group_hyper and saved != have:
         raise CheckpointError(
             f"{WHAT}: the optimizer files' parameter groups have the hyperparameters "
@@ -347,80 +302,69 @@ def plan_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     modules) and say which boxes each of its tensors takes; no value is read."""
     _check_type(source, optimizer)
     opt = optimizer_name(optimizer)
-    pms = parallel_modules(module)
-    entries = tensor_entries([pm for _, pm in pms])
-    descs = [descriptor_map(pm) for _, pm in pms]
+
+    def saved_group(names: list[str]) -> tuple[str, int | None]:
+        name = next((n for n in names if n in source.group_of), names[0])
+        return name, source.group_of.get(name, 0 if source.group_hyper else None)
+
     groups: list[dict[str, Any]] = []
     tensors: list[tuple[int, Mapping[str, Any], list[tuple[_ParamStates, Box]]]] = []
     index = 0
-    for g, group in enumerate(optimizer.param_groups):
+    for group, group_tensors, saved in local_groups(
+            optimizer, parallel_modules(module), what=WHAT, opt=opt, saved_group=saved_group,
+            same_hyper=lambda a, b: source.group_hyper.get(a) == source.group_hyper.get(b)):
         ids: list[int] = []
-        saved_group: int | None = None
-        for p in group["params"]:
-            entry = entries.get(id(p))
-            if entry is None:
-                raise CheckpointError(
-                    f"{WHAT}: {opt} (parameter group {g}) updates a tensor of shape "
-                    f"{tuple(p.shape)} that belongs to no parallel module of the model; "
-                    f"loading supports optimizers over the parallel modules' "
-                    f"parameters_for_optimizer() (nnscaler.build_optimizer)"
-                )
-            prefix, pm = pms[entry[0]]
-            desc = descs[entry[0]][id(p)]
-            members = ([(desc["attr"], 0, 0)] if desc["kind"] == "param"
-                       else [tuple(m) for m in desc["members"]])
-            found: list[tuple[str, Any, _ParamStates | None]] = []
-            for attr, _, _ in members:
-                meta = pm.fullmap[attr]
-                names = [prefix + n for n in meta.names]
-                name = next((n for n in names if n in source.group_of), names[0])
-                saved = source.group_of.get(name, 0 if source.group_hyper else None)
-                if saved is not None:
-                    if saved_group is None:
-                        saved_group = saved
-                    elif source.group_hyper.get(saved_group) != source.group_hyper.get(saved):
-                        raise CheckpointError(
-                            f"{WHAT}: {opt}'s parameter group {g} holds parameters of the "
-                            f"saved groups {saved_group} and {saved}, which have different "
-                            f"hyperparameters; group the parameters as the checkpoint does"
-                        )
-                ps = next((source.params[n] for n in names if n in source.params), None)
-                if ps is not None and ps.shape != tuple(meta.shape):
-                    raise CheckpointError(
-                        f"{WHAT}: the optimizer files hold the state of {name} with shape "
-                        f"{ps.shape}, but this model's has shape {tuple(meta.shape)}; the "
-                        f"files belong to another model"
-                    )
-                found.append((name, meta, ps))
+        for desc, members in group_tensors:
+            found = [(name, meta, _saved_states(source, name, names, meta))
+                     for name, names, meta in members]
             ids.append(index)
-            with_state = [f for f in found if f[2] is not None]
-            if with_state:
-                if len(with_state) != len(found):
-                    missing = next(f[0] for f in found if f[2] is None)
-                    raise CheckpointError(
-                        f"{WHAT}: the optimizer files hold state for {with_state[0][0]} but "
-                        f"none for {missing}, which {opt} updates as one ZeRO shard; the "
-                        f"optimizer files are incomplete"
-                    )
-                keys = with_state[0][2].keys
-                for name, meta, ps in found:
-                    box = _as_box(meta.index)
-                    if ps.keys != keys:
-                        raise CheckpointError(
-                            f"{WHAT}: the saved state of {name} has the keys {ps.keys}, that "
-                            f"of {found[0][0]} {keys}; {opt} updates them as one ZeRO shard")
-                    for key, e in ps.elementwise.items():
-                        have = e.covered(box)
-                        if have != numel(sub_shape(box)):
-                            raise CheckpointError(
-                                f"{WHAT}: the optimizer files hold {have} of the "
-                                f"{numel(sub_shape(box))} elements of the state {key!r} of "
-                                f"{name}{list(box)} (shape {ps.shape}); pass the optimizer "
-                                f"file of every rank of the saved plan"
-                            )
+            if any(f[2] is not None for f in found):
+                _check_covered(source, opt, found)
                 tensors.append((index, desc, [(f[2], _as_box(f[1].index)) for f in found]))
             index += 1
-        hyper = (source.group_hyper[saved_group] if saved_group is not None
-                 and saved_group in source.group_hyper else _hyper(group))
+        hyper = (source.group_hyper[saved] if saved is not None
+                 and saved in source.group_hyper else hyperparameters(group))
         groups.append({**hyper, "params": ids})
     return OptimizerPlan(source, groups, tensors)
+
+
+def _saved_states(source: OptimizerFilesSource, name: str, names: list[str],
+                  meta: Any) -> _ParamStates | None:
+    """The saved state of the parameter ``names`` name, checked to have its shape."""
+    ps = next((source.params[n] for n in names if n in source.params), None)
+    if ps is not None and ps.shape != tuple(meta.shape):
+        raise CheckpointError(
+            f"{WHAT}: the optimizer files hold the state of {name} with shape "
+            f"{ps.shape}, but this model's has shape {tuple(meta.shape)}; the "
+            f"files belong to another model"
+        )
+    return ps
+
+
+def _check_covered(source: OptimizerFilesSource, opt: str,
+                   found: list[tuple[str, Any, _ParamStates | None]]) -> None:
+    """Every member of one tensor has saved state, with the same keys, covering its box."""
+    with_state = [f for f in found if f[2] is not None]
+    if len(with_state) != len(found):
+        missing = next(f[0] for f in found if f[2] is None)
+        raise CheckpointError(
+            f"{WHAT}: the optimizer files hold state for {with_state[0][0]} but "
+            f"none for {missing}, which {opt} updates as one ZeRO shard; the "
+            f"optimizer files are incomplete"
+        )
+    keys = with_state[0][2].keys
+    for name, meta, ps in found:
+        box = _as_box(meta.index)
+        if ps.keys != keys:
+            raise CheckpointError(
+                f"{WHAT}: the saved state of {name} has the keys {ps.keys}, that "
+                f"of {found[0][0]} {keys}; {opt} updates them as one ZeRO shard")
+        for key, e in ps.elementwise.items():
+            have = e.covered(box)
+            if have != numel(sub_shape(box)):
+                raise CheckpointError(
+                    f"{WHAT}: the optimizer files hold {have} of the "
+                    f"{numel(sub_shape(box))} elements of the state {key!r} of "
+                    f"{name}{list(box)} (shape {ps.shape}); pass the optimizer "
+                    f"file of every rank of the saved plan"
+                )

@@ -22,15 +22,14 @@ from nnscaler.checkpoint.optimizer import (
     is_scalar,
     optimizer_name,
     parallel_modules,
-    tensor_entries,
     unmergeable,
 )
+from nnscaler.checkpoint.optimizer_walk import hyperparameters, local_groups
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     FORMAT,
     MARKER,
     attr_record,
-    descriptor_map,
     is_extra_state,
     plan_info,
     unheld_names,
@@ -293,57 +292,31 @@ def _local_optimizer_state(pms: list[tuple[str, Any]], optimizer: torch.optim.Op
     """``optimizer``'s state dict cut out of the full one ``osd``."""
     opt = optimizer_name(optimizer)
     by_name, group_of = _full_optimizer_state(osd, pms)
-    entries = tensor_entries([pm for _, pm in pms])
-    descs = [descriptor_map(pm) for _, pm in pms]
     saved_groups = osd["param_groups"]
+
+    def saved_group(names: list[str]) -> tuple[str, int | None]:
+        name = next((n for n in names if n in group_of), names[0])
+        return name, group_of.get(name)
+
     local_state: dict[int, dict[Any, Any]] = {}
-    local_groups: list[dict[str, Any]] = []
+    local_groups_: list[dict[str, Any]] = []
     index = 0
-    for g, group in enumerate(optimizer.param_groups):
+    for group, tensors, source in local_groups(
+            optimizer, pms, what="load_merged_state_dicts", opt=opt, saved_group=saved_group,
+            same_hyper=lambda a, b: (hyperparameters(saved_groups[a])
+                                     == hyperparameters(saved_groups[b]))):
         ids: list[int] = []
-        source: int | None = None
-        for p in group["params"]:
-            entry = entries.get(id(p))
-            if entry is None:
-                raise CheckpointError(
-                    f"load_merged_state_dicts: {opt} (parameter group {g}) updates a tensor of "
-                    f"shape {tuple(p.shape)} that belongs to no parallel module of the model; "
-                    f"loading supports optimizers over the parallel modules' "
-                    f"parameters_for_optimizer() (nnscaler.build_optimizer)"
-                )
-            prefix, pm = pms[entry[0]]
-            desc = descs[entry[0]][id(p)]
-            members = ([(desc["attr"], 0, 0)] if desc["kind"] == "param"
-                       else [tuple(m) for m in desc["members"]])
-            states = []
-            for attr, _, _ in members:
-                meta = pm.fullmap[attr]
-                names = [prefix + n for n in meta.names]
-                name = next((n for n in names if n in group_of), names[0])
-                if name in group_of:
-                    if source is None:
-                        source = group_of[name]
-                    elif _hyper(saved_groups[source]) != _hyper(saved_groups[group_of[name]]):
-                        raise CheckpointError(
-                            f"load_merged_state_dicts: {opt}'s parameter group {g} holds "
-                            f"parameters of the saved groups {source} and {group_of[name]}, "
-                            f"which have different hyperparameters; group the parameters as "
-                            f"the checkpoint does"
-                        )
-                full = next((by_name[n] for n in names if n in by_name), None)
-                states.append((name, meta, full))
+        for desc, members in tensors:
+            states = [(name, meta, next((by_name[n] for n in names if n in by_name), None))
+                      for name, names, meta in members]
             ids.append(index)
             local = _local_state(opt, desc, states, device)
             if local:
                 local_state[index] = local
             index += 1
-        hyper = _hyper(saved_groups[source]) if source is not None else _hyper(group)
-        local_groups.append({**hyper, "params": ids})
-    return {"state": local_state, "param_groups": local_groups}
-
-
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper = hyperparameters(saved_groups[source] if source is not None else group)
+        local_groups_.append({**hyper, "params": ids})
+    return {"state": local_state, "param_groups": local_groups_}
 
 
 def _local_state(opt: str, desc: Mapping[str, Any], states: list[tuple[str, Any, Any]],

@@ -13,14 +13,10 @@ import importlib
 import os
 from typing import Any
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import LoggerError
 from nnscaler.hookspecs import hookimpl
 
 __all__ = ["LoggerBase", "LoggerError", "TensorBoardLogger"]
-
-
-class LoggerError(NNScalerError, RuntimeError):
-    """A logger that cannot be built or used (e.g. its optional package is missing)."""
 
 
 class LoggerBase:

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from nnscaler.anno import Replicate, Split, TransformRule
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import ChunkedLossError
 from nnscaler.ops.partgroup import SINGLE
-from nnscaler.ops.registry import register_op
+from nnscaler.ops.user_ops import register_op
 
 __all__ = [
     "OP_NAME",
@@ -50,10 +50,6 @@ OP_NAME = "nnscaler.cli.ops.chunk_linear_cross_entropy_fn"
 #: The part op of the vocabulary split.
 VOCAB_PARALLEL_OP = "nnscaler.cli.ops.vocab_parallel_chunk_linear_cross_entropy"
 _NAMES = "abcefghijklmnopqrstuwxyz"  # no 'd' (the hidden dim) and no 'v' (the vocabulary)
-
-
-class ChunkedLossError(NNScalerError, ValueError):
-    """Arguments of `chunk_linear_cross_entropy` that do not fit together."""
 
 
 def chunk_linear_cross_entropy_anno(hidden: Any, weight: Any, target: Any,

@@ -1,10 +1,11 @@
-"""The error code generation raises."""
+"""The error code generation raises.
+
+The classes live in `nnscaler.errors`, the one home of every error class; this module
+keeps the import path ``nnscaler.codegen.errors`` that the room's modules and users take.
+"""
 
 from __future__ import annotations
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import CodegenError
 
-
-class CodegenError(NNScalerError, ValueError):
-    """A planned graph that cannot be turned into per-rank programs; the message says
-    which rule it breaks, what was seen, and how to fix the plan or the model."""
+__all__ = ["CodegenError"]

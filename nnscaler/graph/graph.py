@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import torch
 import torch.utils._pytree as pytree
 
-from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
+from nnscaler.anno import AnnotationError, Transform, ValuePartial
 from nnscaler.graph.errors import PartitionError, PlanError, StagingError
-from nnscaler.ir import FullTensor, Graph, Op, OpPlan, SubTensor, tensors_in
+from nnscaler.graph.op_parts import new_instance, op_parts, shapes_str
+from nnscaler.ir import FullTensor, Graph, Op, OpPlan, SubTensor
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.registry import active_registry
 
@@ -41,32 +41,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _shapes(tensors: Iterable[SubTensor]) -> str:
-    return ", ".join(f"[{','.join(map(str, t.shape))}]" for t in tensors) or "none"
 
 
 def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-_PLAIN = (int, float, str, bool, type(None), torch.dtype)
-
-
-def _plain_equal(a: Any, b: Any) -> bool:
-    """``a == b`` for keyword arguments made of plain values (numbers, strings, dtypes, and
-    tuples, lists and dicts of them); False when either holds anything else (a tensor,
-    whose ``==`` is elementwise): then the caller does not reuse what it computed."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, _PLAIN):
-        return a == b
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_plain_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_plain_equal(a[k], b[k]) for k in a)
-    return False
 
 
 class IRGraph(Graph):
@@ -274,10 +252,6 @@ class IRGraph(Graph):
         self._replaced[op] = tuple(instances)
         self.reindex_replaced(op, list(instances))
 
-    def _new_op(self, op: Op, **changes: Any) -> Op:
-        plan = OpPlan(stage=op.plan.stage, recompute=op.plan.recompute)
-        return attrs.evolve(op, oid=self.next_op_id(), plan=plan, **changes)
-
     def replicate(self, op: Op, times: int = 1) -> list[Op]:
         """Replace ``op`` by ``times`` copies that read and write the same pieces.
 
@@ -294,7 +268,7 @@ class IRGraph(Graph):
                 f"each other ({op.opdef.name} takes the group of its parts), and each part "
                 f"runs exactly once. Split the op it came from in more parts instead"
             )
-        copies = [self._new_op(op) for _ in range(times)]
+        copies = [new_instance(self, op) for _ in range(times)]
         self._replace(op, copies, [f"replica {i} of {times} of op #{op.oid}"
                                    for i in range(times)])
         return copies
@@ -356,85 +330,13 @@ class IRGraph(Graph):
                    else "Replicate the op")
             raise PartitionError(
                 f"cannot partition {self.describe(op)} with idx={idx}, dim={given}, num={num} "
-                f"(input shapes {_shapes(op.input_tensors())}): {e}\n{fix} "
+                f"(input shapes {shapes_str(op.input_tensors())}): {e}\n{fix} "
                 f"(graph.replicate(op, times=...))."
             ) from None
-        parts = self._parts(op, transform)
+        parts = op_parts(self, op, transform)
         self._replace(op, parts, [f"part {p} of {num} of op #{op.oid} ({transform})"
                                   for p in range(num)])
         self._split.update({part: (transform, p) for p, part in enumerate(parts)})
-        return parts
-
-    def _parts(self, op: Op, t: Transform) -> list[Op]:
-        """The ``t.num`` parts of ``op`` split by ``t``: their pieces, keyword arguments and
-        annotations. Each tensor is split once for all parts (``SubTensor.split`` makes
-        every piece), and parts that read the same shapes with equal keyword arguments
-        share one bound annotation."""
-        num = t.num
-
-        def pieces(sub: SubTensor, layout: Placement | None) -> tuple[SubTensor, ...]:
-            if isinstance(layout, Split):
-                return sub.split(layout.dim, num)
-            if isinstance(layout, ValuePartial):
-                return sub.value_split(num)
-            return (sub,) * num  # Replicate, or '?': the same piece
-
-        def fail(reason: str) -> PartitionError:
-            return PartitionError(f"cannot partition {self.describe(op)} as {t}: {reason}")
-
-        split_inputs = [
-            pieces(x, layout) if isinstance(x, SubTensor) else (x,) * num
-            for x, layout in zip(op.inputs, t.inputs, strict=True)
-        ]
-        out_tensors = list(tensors_in(op.outputs))
-        if len(out_tensors) != len(t.outputs):
-            raise fail(f"its annotation has {len(t.outputs)} outputs but the call returned "
-                       f"{len(out_tensors)} tensors; replicate the op instead")
-        split_out = {id(x): pieces(x, layout)
-                     for x, layout in zip(out_tensors, t.outputs, strict=True)}
-        opdef, anno = op.opdef, op.anno
-        if opdef is None or anno is None:
-            raise fail("the op has no annotation")
-        if t.part_op is not None:  # the parts call another op (a transform rule's part_op)
-            try:
-                part_def = self.op_registry().get(t.part_op)
-            except LookupError as e:
-                raise fail(f"its transform rule names the part op {t.part_op!r}, which is "
-                           f"not registered: {e}") from None
-        else:
-            part_def = opdef
-        parts: list[Op] = []
-        last: tuple[list[Any], dict[str, Any], Any] | None = None  # shapes, kwargs, bound
-        for part in range(num):
-            inputs = tuple(split[part] for split in split_inputs)
-            outputs = tuple(split_out[id(x)][part] if id(x) in split_out else x
-                            for x in op.outputs)
-            # in-place writes: the piece written is the piece of the output (or input) it
-            # aliases
-            written = {x.full: x for x in (*tensors_in(outputs), *tensors_in(inputs))}
-            mutations = []
-            for before, after in op.mutations:
-                b = written.get(before.full)
-                if b is None:
-                    raise fail(f"it writes {before.full.name} in place through a view, which "
-                               f"a split cannot follow; replicate the op instead")
-                a = written.get(after.full) or SubTensor(full=after.full, indmap=b.indmap,
-                                                         valmap=b.valmap)
-                mutations.append((b, a))
-            kwargs = opdef.part_kwargs(t, op.kwargs, part)
-            shapes = [x.shape if isinstance(x, SubTensor) else None for x in inputs]
-            if last is not None and last[0] == shapes and _plain_equal(last[1], kwargs):
-                bound = last[2]
-            else:
-                try:
-                    bound = anno.anno.bind(shapes, kwargs)
-                except AnnotationError as e:
-                    raise fail(f"part {part} has input shapes {_shapes(tensors_in(inputs))}, "
-                               f"which its annotation rejects: {e}") from None
-                last = (shapes, kwargs, bound)
-            parts.append(self._new_op(op, opdef=part_def, anno=bound, inputs=inputs,
-                                      kwargs=kwargs, outputs=outputs,
-                                      mutations=tuple(mutations)))
         return parts
 
     # -- placing ops --------------------------------------------------------------------

@@ -47,8 +47,6 @@ from typing import Any
 
 import torch
 
-from nnscaler.errors import NNScalerError
-
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
@@ -60,14 +58,11 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without light
         f"lightning). ({e})"
     ) from e
 
+from nnscaler.errors import LightningIntegrationError
 from nnscaler.parallel import ComputeConfig, build_optimizer, parallelize
 
 __all__ = ["LightningIntegrationError", "NnScalerStrategy", "merge_checkpoint",
            "rank_checkpoint_path"]
-
-
-class LightningIntegrationError(NNScalerError, ValueError):
-    """The LightningModule or the Trainer is set up in a way the strategy cannot run."""
 
 
 def rank_checkpoint_path(path: str | os.PathLike[str], rank: int) -> Path:

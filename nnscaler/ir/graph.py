@@ -5,13 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import GraphError
 from nnscaler.ir.op import Op, tensors_in
 from nnscaler.ir.tensor import FullTensor, SubTensor, TensorKind
-
-
-class GraphError(NNScalerError, ValueError):
-    """A graph whose ops do not connect: a tensor read before any op produced it."""
 
 
 class Graph:

@@ -13,14 +13,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import GraphMismatchError, InterpreterError
 from nnscaler.ir.graph import Graph
 from nnscaler.ir.op import Op
 from nnscaler.ir.tensor import CURRENT_DEVICE, FullTensor, SubTensor, TensorKind
-
-
-class InterpreterError(NNScalerError, ValueError):
-    """Arguments or state that do not fit the graph being run."""
 
 
 def _state_of(params: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,10 +191,6 @@ def run_ops(ops: Sequence[Op], env: dict[FullTensor, Any], device: torch.device,
                 env.pop(full, None)
     finally:
         torch.set_grad_enabled(grad_on)
-
-
-class GraphMismatchError(NNScalerError, AssertionError):
-    """The graph computed something other than the module it was traced from."""
 
 
 def _fresh(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import LayoutError
 
 __all__ = [
     "Box",
@@ -49,10 +49,6 @@ __all__ = [
 
 #: A box of a tensor: ``(start, stop)`` per dim, in global (full-tensor) coordinates.
 Box = tuple[tuple[int, int], ...]
-
-
-class LayoutError(NNScalerError, ValueError):
-    """A layout, plan or per-device tensor set breaks a rule of the RVD algebra."""
 
 
 def _ints(what: str, value: Any, *, minimum: int) -> tuple[int, ...]:

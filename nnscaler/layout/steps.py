@@ -6,7 +6,8 @@ up in the same registry). A `Step` applies one primitive to disjoint device
 groups with one set of parameters; a `Plan` is the tuple of steps that turns a
 tensor in layout ``src`` into the same tensor in layout ``dst``.
 
-Nothing here communicates: the simulator (`nnscaler.layout.execute`) runs steps on
+Nothing here communicates (a primitive's runtime side, `Primitive.run_step`, is called by
+the runtime, which passes it the process groups' ranks): the simulator (`nnscaler.layout.execute`) runs steps on
 per-device tensors in one process, and the runtime runs the same steps over process
 groups.
 """
@@ -14,7 +15,7 @@ groups.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -73,6 +74,23 @@ class Primitive:
     def adjoint_params(self, **params: Any) -> dict[str, Any]:
         """The adjoint's parameters for a step with these ``params`` (default: the same)."""
         return dict(params)
+
+    #: the runtime side: whether `run_step`'s groups need a process group (a collective,
+    #: ``src == dst``); point-to-point and local steps leave it False
+    needs_process_group: ClassVar[bool] = False
+
+    def run_step(self, step: Step, rank: int, x: torch.Tensor | None,
+                 ctx: dict[str, Any]) -> torch.Tensor | None:
+        """The runtime side: this rank's part of ``step`` on ``x``, its tensor before the
+        step (None if it holds none); returns its tensor after (None if it then holds
+        none). ``ctx`` has the ``dtype`` and ``device`` of the plan's tensors.
+
+        A primitive registered through ``nnscaler_register_adapters`` brings both of its
+        sides in that one registration: the planner composes `forward`, `cost` and the
+        adjoint; the runtime (`nnscaler.runtime.execute_plan`) calls `run_step`. A
+        subclass of a built-in primitive inherits the built-in's runtime and need not
+        define it."""
+        raise NotImplementedError(f"primitive {self.name!r} does not define run_step()")
 
 
 @attrs.frozen

@@ -3,6 +3,7 @@
 registered op against its annotation (`nnscaler.ops.verify`).
 """
 
-from nnscaler.ops.registry import OpDef, OpRegistry, register_op
+from nnscaler.ops.registry import OpDef, OpRegistry
+from nnscaler.ops.user_ops import register_op
 
 __all__ = ["OpDef", "OpRegistry", "register_op"]

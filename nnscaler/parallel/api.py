@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import gendir
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import ParallelizeError, ReuseMismatchError
 from nnscaler.parallel import fingerprint, graph_pickle, locks, paths, staging, workers
 from nnscaler.parallel.broadcast import broadcast_gen_files
 from nnscaler.parallel.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
@@ -27,14 +27,6 @@ from nnscaler.parallel.files import GenFilesChangedError, changed_message
 from nnscaler.runtime.module import ParallelModule
 
 __all__ = ["ParallelizeError", "ReuseMismatchError", "parallelize"]
-
-
-class ParallelizeError(NNScalerError, RuntimeError):
-    """``parallelize`` cannot do what it was asked (the message says why and the fix)."""
-
-
-class ReuseMismatchError(ParallelizeError, ValueError):
-    """``ReuseType.MATCH`` found generated files made with a different configuration."""
 
 
 PolicyFn = Callable[[Any, ComputeConfig], Any]

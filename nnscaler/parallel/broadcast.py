@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import gendir
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import BroadcastError
 from nnscaler.parallel import staging
 from nnscaler.parallel.config import BroadcastGenFilesStrategy
 from nnscaler.runtime.module import ParallelModule
@@ -26,10 +26,6 @@ from nnscaler.runtime.module import ParallelModule
 __all__ = ["BroadcastError", "broadcast_gen_files", "broadcast_weights", "node_leaders"]
 
 _CHUNK = 64 * 1024 * 1024  # bytes per broadcast of file contents
-
-
-class BroadcastError(NNScalerError, RuntimeError):
-    """A broadcast of files or weights that cannot be done as asked."""
 
 
 def _node_key() -> str:
@@ -190,4 +186,3 @@ def broadcast_weights(module: torch.nn.Module, stride: int | None = None) -> Non
     for pm in pms:
         for reducer in pm.reducers:
             reducer.refresh_shards()
-

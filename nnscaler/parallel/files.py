@@ -16,15 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nnscaler import gendir
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import GenFilesChangedError
 from nnscaler.parallel.locks import instance_lock
 
 __all__ = ["GenFilesChangedError", "accept_edited_files", "changed_message"]
-
-
-class GenFilesChangedError(NNScalerError, ValueError):
-    """A generated file differs from the one recorded in ``config.json`` (edited after
-    generation): nnscaler does not run or reuse it."""
 
 
 def changed_message(outdir: Path, names: Sequence[str], *, reuse: str) -> str:

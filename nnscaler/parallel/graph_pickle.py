@@ -38,13 +38,9 @@ from typing import Any
 
 import torch
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import UnsafeGraphFileError
 
 __all__ = ["UnsafeGraphFileError", "load_graph", "save_graph"]
-
-
-class UnsafeGraphFileError(NNScalerError, pickle.UnpicklingError, ValueError):
-    """``graph.pkl`` names something the restricted unpickler does not allow."""
 
 
 # -- writing -----------------------------------------------------------------------------

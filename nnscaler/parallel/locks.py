@@ -20,7 +20,7 @@ from pathlib import Path
 
 import filelock
 
-from nnscaler.parallel.paths import GenFilesError
+from nnscaler.errors import GenFilesLockedError
 
 __all__ = ["LOCK_NOTICE_S", "LOCK_TIMEOUT_S", "GenFilesLockedError", "clean_stale",
            "instance_lock", "lock_path", "owner_path"]
@@ -31,10 +31,6 @@ LOCK_TIMEOUT_S = 600.0
 LOCK_NOTICE_S = 2.0
 
 _log = logging.getLogger("nnscaler.parallel")
-
-
-class GenFilesLockedError(GenFilesError, TimeoutError):
-    """Another process held an instance directory's lock for longer than the timeout."""
 
 
 def lock_path(outdir: Path) -> Path:

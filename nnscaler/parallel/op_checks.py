@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from nnscaler.anno import PromiseBrokenError, check_promise
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import CustomOpCheckError
 from nnscaler.ir import CURRENT_DEVICE, Op, SubTensor
 from nnscaler.plugins import BUILTIN_PLUGINS
 
@@ -34,10 +34,6 @@ __all__ = ["CustomOpCheckError", "check_custom_ops", "checked_cache_dir"]
 
 #: Keys of the checks passed in this process.
 _passed: set[str] = set()
-
-
-class CustomOpCheckError(NNScalerError, ValueError):
-    """A custom op does not keep the promise of its annotation for a split the plan uses."""
 
 
 def checked_cache_dir() -> Path:

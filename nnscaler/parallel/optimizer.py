@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import OptimizerError
 from nnscaler.parallel.config import ComputeConfig
 from nnscaler.runtime.module import ParallelModule
 
@@ -33,10 +33,6 @@ __all__ = ["OptimizerError", "build_optimizer"]
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 ReducerHookFn = Callable[[Any, torch.Tensor], Any]
-
-
-class OptimizerError(NNScalerError, ValueError):
-    """``build_optimizer`` cannot build an optimizer for this module as asked."""
 
 
 def _parallel_modules(module: torch.nn.Module) -> list[Any]:
@@ -331,4 +327,3 @@ def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
-

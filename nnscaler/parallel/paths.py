@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import GenFilesError
 
 __all__ = ["DEFAULT_INSTANCE", "PARALLEL_MODULES_DIR", "GenFilesError", "check_instance_name",
            "check_writable", "class_path", "outdir_for"]
@@ -23,10 +23,6 @@ PARALLEL_MODULES_DIR = "_parallel_modules"
 DEFAULT_INSTANCE = "_"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
-
-
-class GenFilesError(NNScalerError, OSError):
-    """``gen_savedir`` cannot be used (not writable, not a directory, ...)."""
 
 
 def class_path(cls: type) -> str:

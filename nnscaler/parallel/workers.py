@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import WorkerError
 
 __all__ = ["WorkerError", "call_on_every_rank", "map_over_ranks"]
 
@@ -41,11 +41,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _listening = False  # True on rank 0 while the other ranks serve
-
-
-class WorkerError(NNScalerError, RuntimeError):
-    """Work handed to another rank failed there (the message names the rank, the
-    function and the remote traceback)."""
 
 
 @contextlib.contextmanager

@@ -11,14 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnscaler.config import ComputeConfig, ComputeConfigError, as_compute_config
-from nnscaler.graph import IRGraph, PlanError
+from nnscaler.errors import PolicyError
+from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op
 
 __all__ = ["PolicyError", "as_policy_graph", "assign_parts", "policy_config"]
-
-
-class PolicyError(PlanError):
-    """A built-in policy cannot plan the graph with the compute config it was given."""
 
 
 def policy_config(compute_config: Any, policy: str) -> ComputeConfig:

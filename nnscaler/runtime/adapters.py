@@ -7,8 +7,10 @@ of pieces, and its backward those of `nnscaler.layout.execute_adjoint` (with
 ``grad="replicated"``: the incoming gradients are whole on every device of ``dst``, the
 outgoing ones whole on every device of ``src``).
 
-Each step is run by the implementation registered for its primitive's name (or, for a
-subclass of a built-in primitive under another name, for the built-in it extends):
+Each step is run by the implementation registered for its primitive's name, else by the
+primitive's own runtime side (`Primitive.run_step`, which a plugin primitive defines and
+registers with the primitive through the ``nnscaler_register_adapters`` hook), else (a
+subclass of a built-in primitive under another name) by the built-in it extends:
 collectives over the group's cached process group, point-to-point ``move``,
 ``broadcast`` and ``reduce`` over the default group with ``batch_isend_irecv``.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.layout import Plan, Step
+from nnscaler.layout import Plan, Primitive, Step
 from nnscaler.layout import plan as make_plan
 from nnscaler.layout.primitives import (
     AllGather,
@@ -64,24 +66,35 @@ _BASES = (
 
 
 def register_step_impl(name: str, impl: StepImpl, *, collective: bool = False) -> None:
-    """Run steps of the primitive ``name`` with ``impl`` (for plugin primitives).
-    ``collective=True`` means its groups have ``src == dst`` and need a process group."""
+    """Run steps of the primitive ``name`` with ``impl``: the built-in primitives' runtime.
+
+    A plugin primitive brings its runtime side with it instead: it defines
+    `Primitive.run_step` (and ``needs_process_group``) and is registered once, through the
+    ``nnscaler_register_adapters`` hook (docs/plugins.md). This function stays for code
+    that registered a runtime here before; ``collective=True`` means the groups have
+    ``src == dst`` and need a process group."""
     _IMPLS[name] = impl
     if collective:
         _COLLECTIVE.add(name)
 
 
-def _impl_name(step: Step) -> str:
+def _impl_of(step: Step) -> tuple[StepImpl, bool]:
+    """How this rank runs ``step``, and whether its groups need a process group: the
+    implementation registered for its primitive's name, else the primitive's own
+    `run_step`, else the built-in primitive it subclasses."""
     prim = step.primitive
     if prim.name in _IMPLS:
-        return prim.name
+        return _IMPLS[prim.name], prim.name in _COLLECTIVE
+    if type(prim).run_step is not Primitive.run_step:
+        return prim.run_step, bool(prim.needs_process_group)
     for cls, name in _BASES:
         if isinstance(prim, cls):
-            return name
+            return _IMPLS[name], name in _COLLECTIVE
     raise CollectiveError(
         f"no runtime implementation for primitive {prim.name!r} ({type(prim).__name__}) in "
         f"step {step}; implemented: {sorted(_IMPLS)}. Fix: subclass a built-in primitive, or "
-        f"call nnscaler.runtime.register_step_impl({prim.name!r}, impl)."
+        f"define {type(prim).__name__}.run_step (the primitive's runtime side, registered "
+        f"with it through the nnscaler_register_adapters hook; see docs/plugins.md)."
     )
 
 
@@ -271,7 +284,7 @@ def plan_groups(plan: Plan, *, grad: GradConvention = "exact") -> list[tuple[int
     out: list[tuple[int, ...]] = []
     for p in [plan, *_backward_plans(plan, grad)]:
         for step in p.steps:
-            if _impl_name(step) not in _COLLECTIVE:
+            if not _impl_of(step)[1]:
                 continue
             for group in step.groups:
                 key = tuple(sorted(group.src))
@@ -285,7 +298,7 @@ def _run(
 ) -> torch.Tensor | None:
     for p in plans:
         for step in p.steps:
-            x = _IMPLS[_impl_name(step)](step, rank, x, ctx)
+            x = _impl_of(step)[0](step, rank, x, ctx)
         if (x is not None) != (rank in p.dst.devices):
             raise CollectiveError(
                 f"plan {p.src} -> {p.dst} left rank {rank} "

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import CollectiveError
 from nnscaler.runtime.groups import get_group
 
 __all__ = [
@@ -61,10 +61,6 @@ _CONVENTIONS = ("replicated", "exact")
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CollectiveError(NNScalerError, RuntimeError):
-    """A collective called with arguments that cannot work on this rank."""
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import DeviceError
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -61,10 +61,6 @@ DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 # the timeout of the default group this module started; None: torch's own default
 _timeout: list[Any] = [None, None]  # [timeout, the default group it belongs to]
-
-
-class DeviceError(NNScalerError, RuntimeError):
-    """A device choice or a process-group start-up that cannot work."""
 
 
 def _check_type(value: str, where: str) -> str:

@@ -17,13 +17,9 @@ from typing import Any
 
 import torch
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import MixedPrecisionError
 
 __all__ = ["MixedPrecisionAdam", "MixedPrecisionAdamW", "MixedPrecisionError", "mixed_precision"]
-
-
-class MixedPrecisionError(NNScalerError, ValueError):
-    """A precision setting that cannot work."""
 
 
 def _raw_step(cls: type) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import GroupError
 from nnscaler.runtime.device import collective_timeout
 
 __all__ = [
@@ -38,10 +38,6 @@ __all__ = [
     "get_group",
     "group_key",
 ]
-
-
-class GroupError(NNScalerError, RuntimeError):
-    """A process group that is malformed, or that was not created collectively."""
 
 
 _cache: dict[tuple[int, ...], Any] = {}

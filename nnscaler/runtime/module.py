@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from nnscaler.config import ReducerConfig
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import ParallelModuleError
 from nnscaler.gendir import FULLMODEL, gencode_name
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
@@ -45,11 +45,6 @@ if TYPE_CHECKING:
     from nnscaler.runtime.pipeline import Pipeline
 
 __all__ = ["AttrMeta", "ParallelModule", "ParallelModuleError"]
-
-
-
-class ParallelModuleError(NNScalerError, RuntimeError):
-    """A parallel module used in a way its generated program does not support."""
 
 
 @attrs.frozen(kw_only=True)

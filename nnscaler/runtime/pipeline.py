@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler.runtime.module import ParallelModule, ParallelModuleError, first_output
+from nnscaler.errors import PipelineError
+from nnscaler.runtime.module import ParallelModule, first_output
 from nnscaler.schedule.actions import (
     Action,
     Backward,
@@ -79,10 +80,6 @@ __all__ = [
 
 #: Tags of pipeline messages start here (adapters use small tags on their own pairs).
 _TAG_BASE = 1 << 20
-
-
-class PipelineError(ParallelModuleError):
-    """A pipelined module was called in a way its schedule cannot run."""
 
 
 @attrs.frozen

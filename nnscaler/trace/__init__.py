@@ -8,7 +8,8 @@ from nnscaler.trace.errors import (
     OpaqueOpWarning,
     TraceError,
 )
-from nnscaler.trace.tracer import STRATEGIES, check_forward_args, trace
+from nnscaler.trace.forward_args import check_forward_args
+from nnscaler.trace.tracer import STRATEGIES, trace
 
 __all__ = [
     "STRATEGIES",

@@ -23,17 +23,13 @@ from typing import TypeVar
 
 import torch
 
-from nnscaler.trace.errors import TraceError
+from nnscaler.errors import ConstantFoldingError
 from nnscaler.trace.tracer import _Mode
 
 __all__ = ["ConstantFoldingError", "anchor", "constant_folding", "fold_constant",
            "no_constant_folding"]
 
 T = TypeVar("T")
-
-
-class ConstantFoldingError(TraceError):
-    """A forward asked the tracer not to fold Python values into constants."""
 
 
 def _tracing() -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnscaler.errors import UnplacedExpertsWarning
 from nnscaler.ops.builtin.moe import ACTIVATIONS, MOE_EXPERTS, moe_experts
 from nnscaler.ops.registry import make_recording_wrapper
 
@@ -31,10 +32,6 @@ __all__ = ["UnplacedExpertsWarning", "expert_layers", "expert_stack_problem"]
 #: the flags Hugging Face's ``use_experts_implementation`` sets, and the value we need
 _FLAGS = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
           "has_post_expert_norm": False}
-
-
-class UnplacedExpertsWarning(UserWarning):
-    """A module looks like an expert stack but cannot be recorded as `moe_experts`."""
 
 
 def _activation(module: nn.Module) -> str | None:

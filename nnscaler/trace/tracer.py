@@ -16,9 +16,10 @@ Each call is run, then:
   state it ran under; a call whose result's *size* depends on data (``torch.nonzero``,
   ``x[mask]``, ``torch.where(cond)``) is listed in ``graph.data_dependent`` too.
 
-With the real strategy the forward runs on the user's module: `_SavedState` puts
-back what it changed (buffers, parameters written in place, the random generators), so
-tracing leaves the module as it was.
+With the real strategy the forward runs on the user's module: `SavedState`
+(`nnscaler.trace.module_state`) puts back what it changed (buffers, parameters written in
+place, the random generators), so tracing leaves the module as it was. The tables that
+say what kind of call a function is are in `nnscaler.trace.call_kinds`.
 
 Functions wrapped by [`nnscaler.register_op`][nnscaler.register_op] reach the tracer through
 `nnscaler.ops.registry.op_call_interceptor`: one op is recorded and the function
@@ -30,7 +31,6 @@ inputs are tracked by object identity (``id``), each mapped to its current IR te
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -41,121 +41,38 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from nnscaler.ir import CURRENT_DEVICE, Graph, Op, SubTensor, TensorKind
-from nnscaler.ops.registry import OpDef, op_call_interceptor, op_name_of
+from nnscaler.ops.registry import OpDef, op_call_interceptor
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.registry import USER_REGISTRANT
+from nnscaler.trace.call_kinds import (
+    DATA_READS,
+    DEVICE_MOVES,
+    METADATA_CALLS,
+    STATE_CALLS,
+    autocast_state,
+    check_outputs,
+    class_name,
+    data_sized,
+    func_name,
+    may_write,
+    shapes_str,
+    storage_of,
+    version_of,
+)
 from nnscaler.trace.errors import (
-    ForwardSignatureError,
     MetaDataDependentError,
     MetaTraceError,
     OpaqueOpWarning,
     TraceError,
 )
+from nnscaler.trace.forward_args import check_forward_args
+from nnscaler.trace.module_state import SavedState
 from nnscaler.trace.moe import expert_layers
 from nnscaler.trace.source import code_line, model_frame
 
 STRATEGIES = ("real", "meta")
 
 _T = torch.Tensor
-
-#: Calls that change interpreter state, never recorded.
-_STATE = frozenset({torch._C._set_grad_enabled})
-
-#: Metadata reads: their results are Python values; run them without any bookkeeping.
-_METADATA = frozenset(
-    {
-        _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__,
-        _T.is_cuda.__get__, _T.is_meta.__get__, _T.layout.__get__, _T.requires_grad.__get__,
-        _T.is_leaf.__get__, _T.grad_fn.__get__, _T._base.__get__, _T._version.__get__,
-        _T.size, _T.dim, _T.numel, _T.stride, _T.element_size, _T.is_floating_point,
-        _T.is_complex, _T.is_contiguous, _T.__len__, _T.nelement, _T.ndimension,
-        _T.get_device, _T.data_ptr, _T.__hash__, _T.__repr__, _T.__format__,
-    }
-)
-
-#: Calls whose Python result is read from tensor *data*.
-_DATA_READS = frozenset(
-    {
-        _T.item, _T.__bool__, _T.tolist, _T.__int__, _T.__float__, _T.__index__,
-        _T.__complex__, _T.numpy, _T.__array__, _T.__contains__, _T.equal, _T.allclose,
-        _T.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero,
-    }
-)
-
-#: Calls whose result's *size* depends on tensor data (see `_data_sized`).
-_DATA_SIZED = frozenset(
-    {
-        torch.nonzero, _T.nonzero, torch.argwhere, _T.argwhere, torch.masked_select,
-        _T.masked_select, torch.unique, _T.unique, torch.unique_consecutive,
-        _T.unique_consecutive, torch.bincount, _T.bincount,
-    }
-)
-
-#: The device types whose autocast state is recorded per op.
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-#: On the meta device these are moves to the device the tensor is already on.
-_DEVICE_MOVES = frozenset({_T.cpu, _T.cuda})
-
-
-def _func_name(func: Callable[..., Any]) -> str:
-    name = torch.overrides.resolve_name(func)
-    return name if name else op_name_of(func)
-
-
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def check_forward_args(module: torch.nn.Module, dummy_forward_args: Any) -> dict[str, Any]:
-    """Check ``dummy_forward_args`` against ``module.forward``'s signature."""
-    where = f"{type(module).__qualname__}.forward"
-    if not isinstance(dummy_forward_args, Mapping):
-        raise ForwardSignatureError(
-            f"dummy_forward_args must be a dict keyed by the argument names of {where}, got "
-            f"{type(dummy_forward_args).__name__}; e.g. {{'x': torch.randn(2, 16)}}"
-        )
-    args = dict(dummy_forward_args)
-    bad_keys = [k for k in args if not isinstance(k, str)]
-    if bad_keys:
-        raise ForwardSignatureError(
-            f"dummy_forward_args is keyed by the argument names of {where}; got the keys "
-            f"{bad_keys!r}, which are not strings"
-        )
-    params = inspect.signature(module.forward).parameters
-    for p in params.values():
-        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise ForwardSignatureError(
-                f"{where} has the positional-only argument {p.name!r}; nnscaler calls forward "
-                f"with arguments by name (dummy_forward_args is keyed by name), so every "
-                f"argument must be nameable: remove the '/' from the signature"
-            )
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
-            raise ForwardSignatureError(
-                f"{where} takes '*{p.name}'; nnscaler calls forward with arguments by name "
-                f"(dummy_forward_args is keyed by name): declare each argument by name instead"
-            )
-    named = [
-        p.name for p in params.values()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in args if k not in named]
-    if unknown and not takes_any:
-        raise ForwardSignatureError(
-            f"dummy_forward_args has {', '.join(map(repr, unknown))}, which {where} does not "
-            f"take; its arguments are {named}. Rename or drop the key"
-        )
-    missing = [
-        p.name for p in params.values()
-        if p.name in named and p.default is inspect.Parameter.empty and p.name not in args
-    ]
-    if missing:
-        raise ForwardSignatureError(
-            f"{where} requires the argument(s) {', '.join(map(repr, missing))}, which "
-            f"dummy_forward_args lacks; add a dummy value for each"
-        )
-    return args
 
 
 class _Mode(TorchFunctionMode):
@@ -194,14 +111,14 @@ class Tracer:
         self._meta_copy: dict[int, torch.Tensor] = {}  # meta: id(real tensor) -> meta copy
         self._meta_origin: dict[int, torch.Tensor] = {}  # meta: id(meta copy) -> real tensor
         self._stack: list[tuple[str, str]] = []  # (module path, module class)
-        self._root = ("", _class_name(type(module)))
+        self._root = ("", class_name(type(module)))
         self._active = False  # inside the call of the root module (hooks included)
         self._paths: dict[int, list[str]] = {}
         for name, m in module.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(m), []).append(name)
         self._passthrough = 0
         self._warned: set[Any] = set()
-        self._saved: _SavedState | None = None
+        self._saved: SavedState | None = None
 
     # -- tensors ------------------------------------------------------------------------
     def _track(self, t: torch.Tensor, sub: SubTensor) -> SubTensor:
@@ -259,7 +176,7 @@ class Tracer:
         else:  # one module under several names: the one below the calling module
             below = [n for n in names if not parent or n.startswith(parent + ".")]
             path = min(below or names, key=lambda n: n.count("."))
-        self._stack.append((path, _class_name(type(module))))
+        self._stack.append((path, class_name(type(module))))
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._stack:
@@ -268,7 +185,7 @@ class Tracer:
     # -- calls --------------------------------------------------------------------------
     def on_call(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Every torch-level call while the mode is active."""
-        if self._passthrough or not self._active or func in _METADATA or func in _STATE:
+        if self._passthrough or not self._active or func in METADATA_CALLS or func in STATE_CALLS:
             return func(*args, **kwargs)
         return self._record(func, args, kwargs, self.registry.lookup(func), user_op=False)
 
@@ -300,12 +217,12 @@ class Tracer:
 
     def _record(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                 opdef: OpDef | None, *, user_op: bool) -> Any:
-        if func in _DATA_READS:
+        if func in DATA_READS:
             return self._data_read(func, args, kwargs)
         args, kwargs = self._device_args(func, args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self.meta:
-            if func in _DEVICE_MOVES:
+            if func in DEVICE_MOVES:
                 return args[0]
             flat = [
                 self._to_meta(x) if isinstance(x, torch.Tensor)
@@ -314,8 +231,8 @@ class Tracer:
             ]
             args, kwargs = pytree.tree_unflatten(flat, spec)
         inputs = [x for x in flat if isinstance(x, torch.Tensor)]
-        versions = [_version(t) for t in inputs]
-        if self._saved is not None and _may_write(func, kwargs):
+        versions = [version_of(t) for t in inputs]
+        if self._saved is not None and may_write(func, kwargs):
             self._saved.keep(inputs)
         try:
             out = func(*args, **kwargs)
@@ -323,7 +240,7 @@ class Tracer:
             if self.meta:
                 raise self._meta_error(func, e) from e
             raise
-        mutated = {id(t): t for t, v in zip(inputs, versions, strict=True) if _version(t) != v}
+        mutated = {id(t): t for t, v in zip(inputs, versions, strict=True) if version_of(t) != v}
         out_flat, out_spec = pytree.tree_flatten(out)
         if self.meta and any(isinstance(o, torch.Tensor) and o.device.type != "meta"
                              for o in out_flat):
@@ -334,7 +251,7 @@ class Tracer:
             return out  # a Python value: flows on as a constant
 
         filename, line, source = self._where(func)
-        name = opdef.name if opdef is not None else _func_name(func)
+        name = opdef.name if opdef is not None else func_name(func)
         opdef, anno, ir_inputs, ir_kwargs, keywords = self._annotate(
             func, opdef, name, args, kwargs, inputs, outs, (filename, line, source))
         mutations, ir_outputs = self._ir_results(mutated, out_flat)
@@ -359,10 +276,10 @@ class Tracer:
                 source_line=line,
                 code=code_line(filename, line),
                 no_grad=not torch.is_grad_enabled(),
-                autocast=_autocast_state(),
+                autocast=autocast_state(),
             )
         )
-        if _data_sized(func, args, kwargs):
+        if data_sized(func, args, kwargs):
             sizes = ", ".join(str(list(o.shape)) for o in outs)
             sizes = f"({sizes})" if len(outs) > 1 else sizes
             self.graph.data_dependent.append(f"{name} -> size {sizes} at {source}")
@@ -382,18 +299,18 @@ class Tracer:
             try:
                 call = opdef.bind(args, kwargs)
                 anno = call.anno.bind(call.shapes(), call.kwargs)
-                _check_outputs(anno, outs)
+                check_outputs(anno, outs)
             except Exception as e:
                 if opdef.registrant == USER_REGISTRANT:
                     raise TraceError(
                         f"the annotation of op {name!r} does not fit its call at {source} "
-                        f"(input shapes {_shapes(inputs)}): {e}. Fix the annotation given to "
+                        f"(input shapes {shapes_str(inputs)}): {e}. Fix the annotation given to "
                         f"register_op."
                     ) from e
                 self._warn_once(
                     (func, "bind"),
                     f"the annotation of {name!r} (registered by {opdef.registrant!r}) does not "
-                    f"fit its call at {source} (input shapes {_shapes(inputs)}): {e}. The call "
+                    f"fit its call at {source} (input shapes {shapes_str(inputs)}): {e}. The call "
                     f"is recorded as an opaque op (replicated only); please report this to "
                     f"the op's registrant.",
                     filename, line,
@@ -455,7 +372,7 @@ class Tracer:
 
     def _data_read(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         filename, line, source = self._where(func)
-        name = _func_name(func)
+        name = func_name(func)
         if self.meta and any(isinstance(x, torch.Tensor) and x.device.type == "meta"
                              for x in pytree.tree_leaves((args, kwargs))):
             raise MetaDataDependentError(
@@ -471,7 +388,7 @@ class Tracer:
     def _meta_error(self, func: Callable[..., Any], e: Exception) -> MetaTraceError:
         filename, line, source = self._where(func)
         return MetaTraceError(
-            f"{_func_name(func)} failed on the meta device at {source} "
+            f"{func_name(func)} failed on the meta device at {source} "
             f"({code_line(filename, line)!r}): {type(e).__name__}: {e}. The meta strategy "
             f"computes shapes, not values: if the model's shapes or control flow depend on "
             f"tensor data, or the call cannot run on 'meta', trace with strategy='real' "
@@ -523,7 +440,7 @@ class Tracer:
         ``x.t()``) runs on a copy, so that an in-place write to one does not reach the other
         while tracing either."""
         call_args = {}
-        taken = {_storage(t) for t in self._alive.values()}  # parameters and buffers
+        taken = {storage_of(t) for t in self._alive.values()}  # parameters and buffers
         for name, value in args.items():
             leaves, spec = pytree.tree_flatten_with_path(value)
             ir_leaves, run_leaves = [], []
@@ -550,7 +467,7 @@ class Tracer:
         if self.meta:
             run = leaf.detach().to("meta")
         else:
-            storage = _storage(leaf)
+            storage = storage_of(leaf)
             run = leaf.detach().clone() if storage in taken else leaf.detach()
             taken.add(storage)
         if leaf.requires_grad:
@@ -563,7 +480,7 @@ class Tracer:
         call_args = self._register_inputs(args)
         # the real strategy runs the user's module: put its state back afterwards (the
         # meta strategy runs on copies)
-        self._saved = None if self.meta else _SavedState(self.module)
+        self._saved = None if self.meta else SavedState(self.module)
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
         post = torch.nn.modules.module.register_module_forward_hook(
             self._post_hook, always_call=True
@@ -629,128 +546,6 @@ def library_trace_signal() -> Iterator[None]:
         yield
     finally:  # pragma: no cover
         compiler.is_compiling = original
-
-
-class _SavedState:
-    """What the tracing forward may change in the user's module, saved before it runs and
-    put back after, so that tracing leaves the module as it was: buffers (BatchNorm's
-    running statistics and ``num_batches_tracked``), the parameters a call may write in
-    place, module attributes that held a buffer or parameter, and the random number
-    generators (dropout draws from them)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.slots: list[tuple[dict[str, Any], str, torch.Tensor | None]] = []
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.params: dict[int, tuple[torch.Tensor, int]] = {}
-        self.param_copies: dict[int, torch.Tensor] = {}
-        self.storages: dict[int, torch.Tensor] = {}  # storage address -> parameter
-        for m in module.modules(remove_duplicate=False):
-            for attr, b in m._buffers.items():
-                self.slots.append((m._buffers, attr, b))
-                if b is not None and id(b) not in self.buffers:
-                    self.buffers[id(b)] = (b, b.detach().clone(), _version(b))
-            for attr, p in m._parameters.items():
-                self.slots.append((m._parameters, attr, p))
-                if p is not None:
-                    self.params.setdefault(id(p), (p, _version(p)))
-                    self.storages.setdefault(_storage(p), p)
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def keep(self, tensors: list[torch.Tensor]) -> None:
-        """Copy the parameters that ``tensors`` are or alias (``p.data``, views) before a
-        call that may write them."""
-        for t in tensors:
-            p = self.storages.get(_storage(t))
-            if p is not None and id(p) not in self.param_copies:
-                self.param_copies[id(p)] = p.detach().clone()
-
-    def restore(self) -> list[str]:
-        """Put everything back; returns the shapes of parameters that changed in a way
-        that cannot be undone (none were copied before the write)."""
-        for slots, attr, tensor in self.slots:
-            if slots.get(attr) is not tensor:
-                slots[attr] = tensor
-        changed: list[str] = []
-        with torch.no_grad():
-            for t, copy, _ in self.buffers.values():  # also written through aliases
-                if t.device.type != "meta" and (_version(t) == -1 or not torch.equal(t, copy)):
-                    t.copy_(copy)
-            for key, (p, version) in self.params.items():
-                copy = self.param_copies.get(key)
-                if copy is not None:
-                    p.copy_(copy)
-                elif _version(p) != version:
-                    changed.append(str(list(p.shape)))
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        return changed
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # e.g. a tensor subclass without storage
-        return -id(t)
-
-
-def _may_write(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call may write one of its tensor arguments in place."""
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" \
-        or kwargs.get("out") is not None or kwargs.get("inplace") is True \
-        or name.startswith("__i")
-
-
-def _data_sized(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether the size of ``func``'s result depends on the *values* of its inputs:
-    ``torch.nonzero``, ``torch.where(cond)`` (one argument), boolean-mask indexing,
-    ``torch.unique``, ``repeat_interleave`` by a tensor of counts, ..."""
-    if func in _DATA_SIZED:
-        return True
-    if func is torch.where:
-        return len(args) + len(kwargs) == 1
-    if func in (torch.repeat_interleave, _T.repeat_interleave):
-        if kwargs.get("output_size") is not None:
-            return False
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
-        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1
-    if func is _T.__getitem__ and len(args) > 1:
-        return any(isinstance(k, torch.Tensor) and k.dtype in (torch.bool, torch.uint8)
-                   for k in pytree.tree_leaves(args[1]))
-    return False
-
-
-def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """``(device_type, dtype)`` of every device type whose autocast is on now."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
-                 if torch.is_autocast_enabled(d))
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors have no version counter
-        return -1
-
-
-def _shapes(tensors: list[torch.Tensor]) -> str:
-    return ", ".join(str(list(t.shape)) for t in tensors) or "none"
-
-
-def _check_outputs(anno: Any, outs: list[torch.Tensor]) -> None:
-    """The annotation's output shapes must be the shapes the call returned."""
-    expected = anno.output_shapes
-    if len(expected) != len(outs):
-        return  # e.g. an in-place op annotated with the tensor it writes
-    for i, (shape, t) in enumerate(zip(expected, outs, strict=True)):
-        got = tuple(t.shape)
-        if shape is not None and shape != got and not (got == () and shape == (1,)):
-            raise ValueError(
-                f"the annotation {str(anno)!r} gives output {i} the shape {list(shape)} but "
-                f"the call returned {list(got)}"
-            )
 
 
 def trace(

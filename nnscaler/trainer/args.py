@@ -17,12 +17,12 @@ and meanings follow nnScaler's ``nnscaler.cli.trainer_args``, the import path us
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nnscaler.config import ComputeConfig
+from nnscaler.trainer.default_policy import DEFAULT_POLICY, ONE_DEVICE_POLICY, default_policy
 from nnscaler.trainer.errors import ConfigError
 from nnscaler.trainer.fields import (
     Checked,
@@ -70,44 +70,11 @@ __all__ = [
 ]
 
 
-_log = logging.getLogger("nnscaler.cli.trainer")
-
 
 def load_type(name: str | Any) -> Any:
     """nnScaler's ``load_type``: the class or function at the import path ``name``
     (``'torch.optim.AdamW'``), or ``name`` itself when it is not a string."""
     return resolve_object(name, "load_type")
-
-#: The Trainer's default policy, as in nnScaler: from the ``nnscaler-policy-autodist``
-#: plugin.
-DEFAULT_POLICY = "autodist"
-#: What the default becomes when that plugin is not installed and a plan has one device.
-ONE_DEVICE_POLICY = "dp"
-
-
-def default_policy(compute_config: ComputeConfig, registered: Any = None) -> str:
-    """The policy the Trainer runs when ``pas_policy`` is left at `DEFAULT_POLICY`.
-
-    ``autodist`` when it is registered (``registered``: the policy names, default the
-    plugin manager's). Without it (``pip install nnscaler`` alone), a plan of one device
-    (``plan_ngpus == 1``) with no ``pas_config`` leaves autodist a single choice, every op
-    whole on the unit's one device with the units running data parallel, which is what
-    the built-in `ONE_DEVICE_POLICY` (``'dp'``) plans: the Trainer runs that, and
-    says so. Any other config keeps ``autodist``, whose lookup then names the package to
-    install.
-    """
-    if compute_config.plan_ngpus != 1 or compute_config.pas_config:
-        return DEFAULT_POLICY
-    if registered is None:
-        from nnscaler.plugins import get_plugin_manager
-
-        registered = get_plugin_manager().policies
-    if DEFAULT_POLICY in registered:
-        return DEFAULT_POLICY
-    _log.info("pas_policy: %r is not installed (pip install nnscaler-policy-autodist); with "
-              "plan_ngpus=1 it has one choice, the one of the built-in policy %r: using %r",
-              DEFAULT_POLICY, ONE_DEVICE_POLICY, ONE_DEVICE_POLICY)
-    return ONE_DEVICE_POLICY
 
 _PRECISIONS = ("fp32", "bf16", "fp16", "none")
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nnscaler.checkpoint.files import fsync_dir
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import TrainerCheckpointError
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -42,10 +42,6 @@ __all__ = [
 CHECKPOINT_NAME = re.compile(r"^(\d{4,})-(\d{4,})$")
 META_FILE = "meta.json"
 MERGED_FILE = "merged.ckpt"
-
-
-class TrainerCheckpointError(NNScalerError, ValueError):
-    """A checkpoint folder that cannot be resumed from, or a save that failed."""
 
 
 def checkpoint_name(epoch: int, step: int) -> str:

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from nnscaler.ops.builtin._common import is_tensor, randint
-from nnscaler.ops.builtin.elementwise import (
+from nnscaler.ops.builtin.elementwise import self_first
+from nnscaler.ops.builtin.family_helpers import (
     Gen,
     broadcast_op,
     broadcast_text,
     operands,
     randn,
     register_all,
-    self_first,
     shape,
     spellings,
 )

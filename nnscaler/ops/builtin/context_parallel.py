@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from nnscaler.anno.partgroup import SINGLE, PartGroup, ThreadPartGroup
 from nnscaler.anno.transform import Replicate, Split, TransformRule
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import ContextParallelError
 from nnscaler.ops.builtin._common import is_tensor
 from nnscaler.ops.builtin.attention_blocks import (
     BlockAttention,
@@ -61,11 +61,6 @@ __all__ = [
 CONTEXT_PARALLEL_ATTENTION = "nnscaler.ops.builtin.context_parallel.context_parallel_attention"
 STRATEGIES = ("ring", "zigzag", "ulysses", "allgather")
 _OP = "context_parallel_attention"
-
-
-class ContextParallelError(NNScalerError, ValueError):
-    """Attention cannot be split along the sequence as asked (a length the parts do not
-    divide, too few heads for Ulysses, a mask or dropout the split cannot keep)."""
 
 
 # -- moving pieces between the parts -----------------------------------------------------

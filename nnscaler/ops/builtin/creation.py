@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, is_tensor, randint
-from nnscaler.ops.builtin.elementwise import Gen, randn, register_all, shape, spellings, unary_gen
+from nnscaler.ops.builtin.family_helpers import (
+    Gen,
+    randn,
+    register_all,
+    shape,
+    spellings,
+    unary_gen,
+)
 from nnscaler.ops.registry import OpRegistry
 
 T = torch.Tensor

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from nnscaler.anno import Reduce, Replicate, Split, TransformRule
 from nnscaler.anno.partgroup import SINGLE, PartGroup
-from nnscaler.errors import NNScalerError
+from nnscaler.errors import MoEError
 from nnscaler.ops.registry import OpRegistry, make_recording_wrapper
 
 __all__ = [
@@ -69,11 +69,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-
-
-class MoEError(NNScalerError, ValueError):
-    """An MoE layer that cannot run as asked: bad shapes, an unknown activation, an expert
-    count the parts cannot divide, or a capacity that would drop tokens unasked."""
 
 
 # -- what each call routed (observability) -------------------------------------------------

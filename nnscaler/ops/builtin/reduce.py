@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nnscaler.ops.builtin._common import SPLITTABLE_SIZES, idents, is_tensor, norm_dim, randint
-from nnscaler.ops.builtin.elementwise import (
+from nnscaler.ops.builtin.family_helpers import (
     Gen,
     broadcast_text,
     randn,

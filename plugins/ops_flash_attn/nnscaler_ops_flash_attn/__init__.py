@@ -21,7 +21,7 @@ them a Hugging Face attention, ``attn_implementation="nnscaler_fa"``
 
 from __future__ import annotations
 
-from nnscaler.ops.registry import make_recording_wrapper
+from nnscaler.extend import make_recording_wrapper
 from nnscaler_ops_flash_attn import kernels
 from nnscaler_ops_flash_attn.annotations import OP_NAMES
 from nnscaler_ops_flash_attn.kernels import flash_attn_available

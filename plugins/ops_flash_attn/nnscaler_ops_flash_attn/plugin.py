@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import nnscaler_ops_flash_attn
-from nnscaler.hookspecs import hookimpl
+from nnscaler.extend import hookimpl
 from nnscaler_ops_flash_attn.annotations import OPS
 
 if TYPE_CHECKING:
-    from nnscaler.ops.registry import OpRegistry
+    from nnscaler.extend import OpRegistry
 
 
 @hookimpl

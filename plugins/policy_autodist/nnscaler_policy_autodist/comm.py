@@ -20,8 +20,7 @@ from typing import Any
 
 import attrs
 
-from nnscaler.config import DEFAULT_BUCKET_CAP_MB
-from nnscaler.layout import Plan
+from nnscaler.extend import DEFAULT_BUCKET_CAP_MB, Plan
 
 __all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_comm"]
 
@@ -221,9 +220,15 @@ def measure_comm(profile_dir: Path | str, *,
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    from nnscaler.layout import Layout, plan
-    from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
-    from nnscaler.runtime.device import current_device, device_type
+    from nnscaler.extend import (
+        Layout,
+        current_device,
+        device_type,
+        ensure_groups,
+        execute_plan,
+        plan,
+        plan_groups,
+    )
 
     dev = current_device() if device_type() == "cuda" else torch.device("cpu")
     g = dist.get_world_size()
@@ -285,7 +290,7 @@ def measure_comm(profile_dir: Path | str, *,
 def comm_measured(profile_dir: Path | str, group: int) -> bool:
     """Whether `measure_comm` cached figures for this device type and a group of
     ``group`` processes there, measured the present way (`METHOD`)."""
-    from nnscaler.runtime.device import device_type
+    from nnscaler.extend import device_type
 
     path = _cache_file(Path(profile_dir), device_type(), group)
     try:
@@ -300,7 +305,7 @@ def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> Device
     of ``group`` processes (else for the nearest group size measured; else defaults)."""
     if device is not None and device not in ("cpu", "cuda"):
         return DEVICE_SPECS[device]
-    from nnscaler.runtime.device import device_type
+    from nnscaler.extend import device_type
 
     kind = device or device_type()
     base = DEVICE_SPECS["cpu"] if kind == "cpu" else DEVICE_SPECS["H100"]

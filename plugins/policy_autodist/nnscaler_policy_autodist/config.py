@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from nnscaler.config import DEFAULT_SCHEDULER, ComputeConfigError, PipelineConfig
-from nnscaler.policies import PolicyError
+from nnscaler.extend import DEFAULT_SCHEDULER, ComputeConfigError, PipelineConfig, PolicyError
 
 __all__ = ["KEYS", "SOLVERS", "AutoDistConfig", "AutoDistError", "parse_config"]
 
@@ -143,7 +142,7 @@ def parse_config(pas_config: Mapping[str, Any] | None,
     out["pipeline_nmicros"] = pipeline.nmicros
     sched = pipeline.scheduler
     if nstages != 1:
-        from nnscaler.schedule import get_schedule
+        from nnscaler.extend import get_schedule
 
         get_schedule(sched)  # an unknown name lists the registered ones
     out["pipeline_scheduler"] = sched

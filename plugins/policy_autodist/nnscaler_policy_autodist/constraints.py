@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nnscaler.graph import IRGraph
+from nnscaler.extend import IRGraph
 from nnscaler_policy_autodist.config import AutoDistError
 
 __all__ = ["ConstraintError", "load_constraints"]

@@ -48,11 +48,18 @@ from collections.abc import Sequence
 
 import attrs
 
-from nnscaler.anno import Transform
-from nnscaler.graph.blocks import repeated_blocks
-from nnscaler.ir import FullTensor, Op, TensorKind, tensors_in
-from nnscaler.layout import Layout, plan
-from nnscaler.policies.costs import op_layouts, replicated
+from nnscaler.extend import (
+    FullTensor,
+    Layout,
+    Op,
+    TensorKind,
+    Transform,
+    op_layouts,
+    plan,
+    repeated_blocks,
+    replicated,
+    tensors_in,
+)
 from nnscaler_policy_autodist.comm import CommModel
 from nnscaler_policy_autodist.profile import ComputeProfiler
 

@@ -22,8 +22,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from nnscaler.graph.blocks import layer_path
-from nnscaler.ir import Op, SubTensor
+from nnscaler.extend import Op, SubTensor, layer_path
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nnscaler.config import DEFAULT_SCHEDULER
-from nnscaler.graph import IRGraph
-from nnscaler.ir import Op
+from nnscaler.extend import DEFAULT_SCHEDULER, IRGraph, Op
 from nnscaler_policy_autodist.config import AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.pipeline import PipelinePlan, replay_solutions, stages_time

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nnscaler.hookspecs import hookimpl
+from nnscaler.extend import hookimpl
 from nnscaler_policy_autodist.policy import autodist
 
 if TYPE_CHECKING:
-    from nnscaler.registry import Registry
+    from nnscaler.extend import Registry
 
 
 @hookimpl

@@ -21,11 +21,16 @@ import time
 
 import attrs
 
-from nnscaler.config import ComputeConfig
-from nnscaler.graph import IRGraph, PartitionError
-from nnscaler.ir import Graph, Op
-from nnscaler.parallel import call_on_every_rank
-from nnscaler.policies.common import as_policy_graph, policy_config
+from nnscaler.extend import (
+    ComputeConfig,
+    Graph,
+    IRGraph,
+    Op,
+    PartitionError,
+    as_policy_graph,
+    call_on_every_rank,
+    policy_config,
+)
 from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
@@ -95,7 +100,7 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     units = config.scale_units
     g = as_policy_graph(graph)
     ops = g.nodes()
-    from nnscaler.runtime.device import device_type
+    from nnscaler.extend import device_type
 
     here = cfg.device_type in (None, device_type())
     if here and not comm_measured(cfg.profile_dir, runtime):

@@ -35,10 +35,18 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from nnscaler.anno import Split, Transform
-from nnscaler.anno.partgroup import PartGroup, check_reduce_op
-from nnscaler.ir import Op, SubTensor, TensorKind, tensors_in
-from nnscaler.policies.costs import op_work, part_piece
+from nnscaler.extend import (
+    Op,
+    PartGroup,
+    Split,
+    SubTensor,
+    TensorKind,
+    Transform,
+    check_reduce_op,
+    op_work,
+    part_piece,
+    tensors_in,
+)
 from nnscaler_policy_autodist.comm import DeviceSpec
 
 __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
@@ -57,7 +65,7 @@ MAX_CALIBRATION_BYTES = 1024 * 1024 * 1024
 def device_key() -> str:
     """Names this machine's compute device for the cache: the CPU model, threads and the
     processes sharing the node, or the CUDA device name."""
-    from nnscaler.runtime.device import device_type
+    from nnscaler.extend import device_type
 
     if device_type() == "cuda":
         return "cuda-" + torch.cuda.get_device_name().replace(" ", "_")
@@ -82,7 +90,7 @@ def _local_processes() -> int:
 def core_share() -> float:
     """Processes (times their threads) per core of this node, at least 1: four one-thread
     ranks on two cores share each core by two. 1 on CUDA, a device per process."""
-    from nnscaler.runtime.device import device_type
+    from nnscaler.extend import device_type
 
     if device_type() == "cuda":
         return 1.0
@@ -189,7 +197,7 @@ class ComputeProfiler:
             opt = sum(self._optimizer_raw(w.numel * w.dtype.itemsize) for w in weights)
             # the other ranks keep their cores busy meanwhile, as they do in training
             # (four ranks on two cores run each op at half speed, as their profile says)
-            from nnscaler.parallel import call_on_every_rank
+            from nnscaler.extend import call_on_every_rank
 
             got = _too_large(ops, max_bytes)
             if got is None:  # else nothing to run, on any rank
@@ -260,7 +268,7 @@ class ComputeProfiler:
             return 0
         import pickle
 
-        from nnscaler.parallel import map_over_ranks
+        from nnscaler.extend import map_over_ranks
 
         def travels(job: ProfileJob) -> bool:
             try:
@@ -286,7 +294,7 @@ class ComputeProfiler:
             return self._memo[memo]  # type: ignore[return-value]
         calls: tuple[PartCall, ...] = ()
         if t.part_op is not None and op.opdef is not None:
-            from nnscaler.plugins import get_plugin_manager
+            from nnscaler.extend import get_plugin_manager
 
             part = get_plugin_manager().ops.get(t.part_op)
             if part.collective:
@@ -329,7 +337,7 @@ class ComputeProfiler:
             return None
         opdef = op.opdef
         if t is not None and t.part_op is not None:
-            from nnscaler.plugins import get_plugin_manager
+            from nnscaler.extend import get_plugin_manager
 
             opdef = get_plugin_manager().ops.get(t.part_op)
         if opdef.collective:
@@ -513,8 +521,7 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     """Run ``job`` on this rank's device: the (forward, backward) seconds of a few
     calls after a warm-up (the mean, slowest dropped); or the error's text when the op
     rejects made-up values."""
-    from nnscaler.plugins import get_plugin_manager
-    from nnscaler.runtime.device import current_device, device_type
+    from nnscaler.extend import current_device, device_type, get_plugin_manager
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -611,8 +618,7 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
     the median of ``repeat`` runs after a warm-up; or why it cannot run."""
     import statistics
 
-    from nnscaler.ir import FullTensor, release_schedule, run_ops
-    from nnscaler.runtime.device import current_device, device_type
+    from nnscaler.extend import FullTensor, current_device, device_type, release_schedule, run_ops
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -690,7 +696,7 @@ def measure_adam(large: int = 1 << 20, many: int = 8, small: int = 256, count: i
     per byte on ``many`` parameters of ``large`` elements (states far larger than the
     caches, as a model's are), per parameter on ``count`` tiny ones; the median of
     ``steps`` steps each."""
-    from nnscaler.runtime.device import current_device, device_type
+    from nnscaler.extend import current_device, device_type
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
 

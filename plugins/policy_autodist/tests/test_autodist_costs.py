@@ -232,7 +232,7 @@ def test_a_job_that_cannot_travel_is_measured_here(tmp_path, monkeypatch):
 
     from nnscaler_policy_autodist import profile
 
-    import nnscaler.parallel
+    import nnscaler.extend
 
     sent = []
 
@@ -240,7 +240,7 @@ def test_a_job_that_cannot_travel_is_measured_here(tmp_path, monkeypatch):
         sent.extend(items)
         return [fn(x) for x in items]
 
-    monkeypatch.setattr(nnscaler.parallel, "map_over_ranks", recording_map)
+    monkeypatch.setattr(nnscaler.extend, "map_over_ranks", recording_map)  # where plugins take it
     graph = _linear_graph(8)
     op = graph.nodes()[0]
     prof = ComputeProfiler(device_spec("cpu", tmp_path), tmp_path, measure=True)

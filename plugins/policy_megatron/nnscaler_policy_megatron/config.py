@@ -27,8 +27,7 @@ from typing import Any
 
 import attrs
 
-from nnscaler.config import ComputeConfig, ComputeConfigError, as_compute_config
-from nnscaler.policies import PolicyError
+from nnscaler.extend import ComputeConfig, ComputeConfigError, PolicyError, as_compute_config
 
 __all__ = ["MegatronConfig", "MegatronConfigError", "megatron_compute_config", "read_config"]
 

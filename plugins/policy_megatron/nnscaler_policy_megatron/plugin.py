@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nnscaler.hookspecs import hookimpl
+from nnscaler.extend import hookimpl
 from nnscaler_policy_megatron.policy import megatron
 
 

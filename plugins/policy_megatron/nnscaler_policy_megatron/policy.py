@@ -31,10 +31,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from nnscaler.config import ComputeConfig, as_compute_config
-from nnscaler.graph import IRGraph
-from nnscaler.ir import Graph, Op
-from nnscaler.policies.experts import expert_transform, is_moe, require_moe_layers
+from nnscaler.extend import (
+    ComputeConfig,
+    Graph,
+    IRGraph,
+    Op,
+    as_compute_config,
+    expert_transform,
+    is_moe,
+    require_moe_layers,
+)
 from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
 from nnscaler_policy_megatron.structure import Region, find_regions, track_sequence
 

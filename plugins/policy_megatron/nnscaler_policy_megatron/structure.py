@@ -34,9 +34,17 @@ from typing import Any
 
 import attrs
 
-from nnscaler.anno import Replicate, Split, Transform, ValuePartial
-from nnscaler.graph import IRGraph
-from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind
+from nnscaler.extend import (
+    FullTensor,
+    IRGraph,
+    Op,
+    Replicate,
+    Split,
+    SubTensor,
+    TensorKind,
+    Transform,
+    ValuePartial,
+)
 
 __all__ = ["Region", "find_regions", "input_derived", "transforms", "track_sequence"]
 

@@ -1,0 +1,123 @@
+"""The parts of an op split by a transform: what [`IRGraph.partition`][nnscaler.IRGraph.partition]
+puts in the op's place. Each part gets its pieces of the op's tensors (inputs, outputs and
+in-place writes), its keyword arguments and its bound annotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
+from nnscaler.graph.errors import PartitionError
+from nnscaler.ir import Op, OpPlan, SubTensor, tensors_in
+
+if TYPE_CHECKING:
+    from nnscaler.graph.graph import IRGraph
+
+
+def shapes_str(tensors: Iterable[SubTensor]) -> str:
+    return ", ".join(f"[{','.join(map(str, t.shape))}]" for t in tensors) or "none"
+
+
+PLAIN = (int, float, str, bool, type(None), torch.dtype)
+
+
+def plain_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for keyword arguments made of plain values (numbers, strings, dtypes, and
+    tuples, lists and dicts of them); False when either holds anything else (a tensor,
+    whose ``==`` is elementwise): then the caller does not reuse what it computed."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, PLAIN):
+        return a == b
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(plain_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(plain_equal(a[k], b[k]) for k in a)
+    return False
+
+
+def new_instance(graph: IRGraph, op: Op, **changes: Any) -> Op:
+    """A new instance of ``op`` (a part or a replica) with a fresh id in ``graph``, the
+    op's stage and recompute marks, no device yet, and ``changes``."""
+    plan = OpPlan(stage=op.plan.stage, recompute=op.plan.recompute)
+    return attrs.evolve(op, oid=graph.next_op_id(), plan=plan, **changes)
+
+
+def op_parts(graph: IRGraph, op: Op, t: Transform) -> list[Op]:
+    """The ``t.num`` parts of ``op`` split by ``t``: their pieces, keyword arguments and
+    annotations. Each tensor is split once for all parts (``SubTensor.split`` makes
+    every piece), and parts that read the same shapes with equal keyword arguments
+    share one bound annotation."""
+    num = t.num
+
+    def pieces(sub: SubTensor, layout: Placement | None) -> tuple[SubTensor, ...]:
+        if isinstance(layout, Split):
+            return sub.split(layout.dim, num)
+        if isinstance(layout, ValuePartial):
+            return sub.value_split(num)
+        return (sub,) * num  # Replicate, or '?': the same piece
+
+    def fail(reason: str) -> PartitionError:
+        return PartitionError(f"cannot partition {graph.describe(op)} as {t}: {reason}")
+
+    split_inputs = [
+        pieces(x, layout) if isinstance(x, SubTensor) else (x,) * num
+        for x, layout in zip(op.inputs, t.inputs, strict=True)
+    ]
+    out_tensors = list(tensors_in(op.outputs))
+    if len(out_tensors) != len(t.outputs):
+        raise fail(f"its annotation has {len(t.outputs)} outputs but the call returned "
+                   f"{len(out_tensors)} tensors; replicate the op instead")
+    split_out = {id(x): pieces(x, layout)
+                 for x, layout in zip(out_tensors, t.outputs, strict=True)}
+    opdef, anno = op.opdef, op.anno
+    if opdef is None or anno is None:
+        raise fail("the op has no annotation")
+    if t.part_op is not None:  # the parts call another op (a transform rule's part_op)
+        try:
+            part_def = graph.op_registry().get(t.part_op)
+        except LookupError as e:
+            raise fail(f"its transform rule names the part op {t.part_op!r}, which is "
+                       f"not registered: {e}") from None
+    else:
+        part_def = opdef
+    parts: list[Op] = []
+    last: tuple[list[Any], dict[str, Any], Any] | None = None  # shapes, kwargs, bound
+    for part in range(num):
+        inputs = tuple(split[part] for split in split_inputs)
+        outputs = tuple(split_out[id(x)][part] if id(x) in split_out else x
+                        for x in op.outputs)
+        # in-place writes: the piece written is the piece of the output (or input) it
+        # aliases
+        written = {x.full: x for x in (*tensors_in(outputs), *tensors_in(inputs))}
+        mutations = []
+        for before, after in op.mutations:
+            b = written.get(before.full)
+            if b is None:
+                raise fail(f"it writes {before.full.name} in place through a view, which "
+                           f"a split cannot follow; replicate the op instead")
+            a = written.get(after.full) or SubTensor(full=after.full, indmap=b.indmap,
+                                                     valmap=b.valmap)
+            mutations.append((b, a))
+        kwargs = opdef.part_kwargs(t, op.kwargs, part)
+        shapes = [x.shape if isinstance(x, SubTensor) else None for x in inputs]
+        if last is not None and last[0] == shapes and plain_equal(last[1], kwargs):
+            bound = last[2]
+        else:
+            try:
+                bound = anno.anno.bind(shapes, kwargs)
+            except AnnotationError as e:
+                raise fail(f"part {part} has input shapes {shapes_str(tensors_in(inputs))}, "
+                           f"which its annotation rejects: {e}") from None
+            last = (shapes, kwargs, bound)
+        parts.append(new_instance(graph, op, opdef=part_def, anno=bound, inputs=inputs,
+                                  kwargs=kwargs, outputs=outputs,
+                                  mutations=tuple(mutations)))
+    return parts
