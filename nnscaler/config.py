@@ -33,13 +33,12 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from nnscaler.errors import NNScalerError
+from nnscaler.torch_compile import CompileConfig, CompileConfigError
 
 __all__ = [
-    "COMPILE_KEYS",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULER",
     "TRACE_STRATEGIES",
-    "CompileConfig",
     "ComputeConfig",
     "ComputeConfigError",
     "FrozenDict",
@@ -246,90 +245,6 @@ class TracingConfig:
     allow_data_dependent: bool = False
 
 
-#: The keys of ``ComputeConfig(compile={...})``: ``torch.compile``'s keywords that can work
-#: on generated code (``fullgraph`` cannot: communication splits the graph).
-COMPILE_KEYS = ("backend", "mode", "dynamic", "options")
-
-
-@dataclass(frozen=True)
-class CompileConfig:
-    """``torch.compile`` of the generated code (read by code generation, which records it
-    in each ``gencode{rank}.py``, and by the runtime, which compiles; ``docs/compile.md``).
-
-    Args:
-        enabled: compile each rank's forward and, through AOTAutograd, its backward, in
-            regions between communication (the collectives run eagerly between them).
-        backend: a ``torch.compile`` backend (``'inductor'``, ``'aot_eager'``, ...).
-        mode: inductor's mode (``'default'``, ``'reduce-overhead'``, ``'max-autotune'``)
-            or None.
-        dynamic: ``torch.compile``'s ``dynamic``; False by default, since generated code
-            is specialised to the traced shapes anyway.
-        options: the backend's options (``torch.compile(options=...)``).
-    """
-
-    enabled: bool = False
-    backend: str = "inductor"
-    mode: str | None = None
-    dynamic: bool | None = False
-    options: Mapping[str, Any] = field(default_factory=FrozenDict)
-
-    @classmethod
-    def from_value(cls, value: bool | Mapping[str, Any]) -> CompileConfig:
-        """``ComputeConfig.compile``: False (off), True (inductor, defaults) or a dict of
-        `COMPILE_KEYS`, checked."""
-        if isinstance(value, bool):
-            return cls(enabled=value)
-        if not isinstance(value, Mapping):
-            raise ComputeConfigError(
-                f"ComputeConfig.compile must be True, False or a dict of torch.compile "
-                f"options with keys from {list(COMPILE_KEYS)}, got {type(value).__name__} "
-                f"{value!r}"
-            )
-        if "fullgraph" in value:
-            raise ComputeConfigError(
-                "ComputeConfig.compile cannot take 'fullgraph': the generated code "
-                "communicates between its compiled regions (adapters, collective part ops), "
-                "so it is never one graph. Leave 'fullgraph' out"
-            )
-        unknown = sorted(set(value) - set(COMPILE_KEYS))
-        if unknown:
-            raise ComputeConfigError(
-                f"ComputeConfig.compile has unknown key(s) {unknown}; it takes "
-                f"{list(COMPILE_KEYS)} (torch.compile's keywords), e.g. "
-                f"{{'backend': 'inductor', 'mode': 'max-autotune'}}"
-            )
-        backend, mode = value.get("backend", "inductor"), value.get("mode")
-        if not isinstance(backend, str) or not backend:
-            raise ComputeConfigError(
-                f"ComputeConfig.compile['backend'] must be the name of a torch.compile "
-                f"backend (a str such as 'inductor'; a callable cannot be stored in "
-                f"config.json), got {backend!r}"
-            )
-        if mode is not None and not isinstance(mode, str):
-            raise ComputeConfigError(f"ComputeConfig.compile['mode'] must be a str or None, "
-                                     f"got {mode!r}")
-        dynamic = value.get("dynamic", False)
-        if dynamic is not None and not isinstance(dynamic, bool):
-            raise ComputeConfigError(f"ComputeConfig.compile['dynamic'] must be True, False "
-                                     f"or None, got {dynamic!r}")
-        options = value.get("options") or {}
-        _mapping("compile['options']", options)
-        return cls(enabled=True, backend=backend, mode=mode, dynamic=dynamic,
-                   options=FrozenDict(options))
-
-    def as_options(self) -> dict[str, Any] | None:
-        """``torch.compile``'s keywords (what generated code records as
-        ``compile_config``), or None when compile is off."""
-        if not self.enabled:
-            return None
-        out: dict[str, Any] = {"backend": self.backend, "dynamic": self.dynamic}
-        if self.mode is not None:
-            out["mode"] = self.mode
-        if self.options:
-            out["options"] = FrozenDict(self.options).to_dict()
-        return out
-
-
 # -- checks -------------------------------------------------------------------------------
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -412,7 +327,10 @@ def _world_size() -> int:
 
 
 def _compile(name: str, value: Any) -> None:
-    CompileConfig.from_value(value)
+    try:
+        CompileConfig.from_value(value)
+    except CompileConfigError as e:
+        raise ComputeConfigError(str(e)) from None
 
 
 def _near_multiples(value: int, step: int) -> str:
@@ -471,7 +389,8 @@ class ComputeConfig:
         user_config: anything else that should decide whether generated code is reused
             (e.g. the model's constructor arguments when a class is parallelized).
         compile: ``torch.compile`` the generated code, in regions between communication:
-            False (the default), True (inductor) or a dict of `COMPILE_KEYS`
+            False (the default), True (inductor) or a dict of
+            `nnscaler.torch_compile.COMPILE_KEYS`
             (``{'backend': 'aot_eager'}``); read as [`compiler`][nnscaler.ComputeConfig.compiler]
             (``docs/compile.md``).
     """

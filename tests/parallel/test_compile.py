@@ -20,7 +20,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from nnscaler.config import CompileConfig, ComputeConfig, ComputeConfigError
+from nnscaler.config import ComputeConfig, ComputeConfigError
+from nnscaler.torch_compile import CompileConfig
 
 from .common import ADAM, check_pieces, make_model, reference_train, samples
 
