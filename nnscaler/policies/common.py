@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nnscaler.config import ComputeConfig, ComputeConfigError, as_compute_config
+from nnscaler.config import AUTO, ComputeConfig, ComputeConfigError, as_compute_config
 from nnscaler.graph import IRGraph, PlanError
 from nnscaler.ir import Graph, Op
 
@@ -26,9 +26,14 @@ def policy_config(compute_config: Any, policy: str) -> ComputeConfig:
     from the fields of another object, e.g. a test's ``SimpleNamespace``); a config that
     cannot be one raises `PolicyError` naming the policy."""
     try:
-        return as_compute_config(compute_config)
+        config = as_compute_config(compute_config)
     except ComputeConfigError as e:
         raise PolicyError(f"policy {policy!r}: {e}") from None
+    if config.plan_ngpus == AUTO and policy != "autodist":
+        raise PolicyError(f"policy {policy!r} needs the unit size: plan_ngpus='auto' is "
+                          f"chosen by the autodist policy only; give plan_ngpus (a divisor of "
+                          f"runtime_ngpus={config.runtime_ngpus}) or use 'autodist'")
+    return config
 
 
 def as_policy_graph(graph: Graph) -> IRGraph:
