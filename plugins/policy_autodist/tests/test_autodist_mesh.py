@@ -125,7 +125,7 @@ def test_auto_config():
     cfg = ComputeConfig("auto", 8, use_zero=True)
     assert ComputeConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["plan_ngpus"] == "auto"
     assert cfg.resolved(2).scale_units == 4
-    with pytest.raises(ComputeConfigError, match="no scale units until the autodist"):
+    with pytest.raises(ComputeConfigError, match="no scale units until autodist chooses plan_ngpus"):
         _ = cfg.scale_units
     with pytest.raises(ComputeConfigError, match="zero_ngroups must divide the number of scale"):
         ComputeConfig("auto", 8, use_zero=True, zero_ngroups=3)  # divides no unit count of 8
