@@ -11,7 +11,8 @@ What the layers read of it comes in typed parts, each parsed and defaulted here,
 - [`ComputeConfig.reducer`][nnscaler.ComputeConfig.reducer] (`ReducerConfig`): ZeRO, the async
   reducer and the bucket size;
 - [`ComputeConfig.tracing`][nnscaler.ComputeConfig.tracing] (`TracingConfig`): how the module is
-  traced.
+  traced;
+- [`ComputeConfig.compiler`][nnscaler.ComputeConfig.compiler] (`CompileConfig`): torch.compile.
 
 Its JSON form ([`ComputeConfig.to_dict`][nnscaler.ComputeConfig.to_dict]) is what ``config.json``
 stores and what ``ReuseType.MATCH`` compares, so it is stable: sorted keys, plain JSON values.
@@ -30,9 +31,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from nnscaler.errors import ComputeConfigError
+from nnscaler.errors import CompileConfigError, ComputeConfigError
+from nnscaler.torch_compile import CompileConfig
 
 __all__ = [
+    "AUTO",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULER",
     "TRACE_STRATEGIES",
@@ -52,6 +55,9 @@ TRACE_STRATEGIES = ("real", "meta")
 
 #: The bucket size the reducer uses when ``reducer_bucket_cap_mb`` is None (MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+#: ``ComputeConfig(plan_ngpus=AUTO)``: the policy (``autodist``) chooses the unit size.
+AUTO = "auto"
 
 #: The pipeline schedule used when ``pas_config`` names none.
 DEFAULT_SCHEDULER = "1f1b"
@@ -319,6 +325,13 @@ def _world_size() -> int:
     return int(text)
 
 
+def _compile(name: str, value: Any) -> None:
+    try:
+        CompileConfig.from_value(value)
+    except CompileConfigError as e:
+        raise ComputeConfigError(str(e)) from None
+
+
 def _near_multiples(value: int, step: int) -> str:
     below, above = value // step * step, -(-value // step) * step
     return " or ".join(str(m) for m in dict.fromkeys((below, above)) if m > 0)
@@ -338,7 +351,8 @@ class ComputeConfig:
     gives a changed copy, validated again.
 
     Args:
-        plan_ngpus: devices in one scale unit (the policy places ops on ``0..plan_ngpus-1``).
+        plan_ngpus: devices in one scale unit (the policy places ops on ``0..plan_ngpus-1``),
+            or ``'auto'``: ``autodist`` chooses it (``parallelize`` then uses `resolved`).
         runtime_ngpus: devices of the whole job; a positive multiple of ``plan_ngpus``.
             Left out (None), it is ``$WORLD_SIZE``, as in nnScaler.
         use_zero: shard optimizer state (ZeRO stage 1) over the data-parallel replicas.
@@ -374,9 +388,12 @@ class ComputeConfig:
             every layer.
         user_config: anything else that should decide whether generated code is reused
             (e.g. the model's constructor arguments when a class is parallelized).
+        compile: ``torch.compile`` the generated code between communications: False, True
+            (inductor) or a dict of `nnscaler.torch_compile.COMPILE_KEYS` (docs/compile.md).
     """
 
-    plan_ngpus: int = field(metadata=_check(_positive_int))
+    plan_ngpus: int | str = field(
+        metadata=_check(lambda n, v: None if v == AUTO else _positive_int(n, v)))
     runtime_ngpus: int = field(default=None, metadata=_check(_positive_int))  # type: ignore[assignment]
     _: KW_ONLY
     use_zero: bool = field(default=False, metadata=_check(_bool))
@@ -395,6 +412,7 @@ class ComputeConfig:
                                           metadata=_check(_mapping))
     user_config: Mapping[str, Any] = field(default_factory=FrozenDict,
                                            metadata=_check(_mapping))
+    compile: bool | Mapping[str, Any] = field(default=False, metadata=_check(_compile))
 
     def __post_init__(self) -> None:
         if self.runtime_ngpus is None:
@@ -410,10 +428,12 @@ class ComputeConfig:
                 f"zero_ngroups=1 (as in nnScaler); got use_zero={self.use_zero}, "
                 f"zero_ngroups={self.zero_ngroups}. Leave zero_use_reduce_scatter at False"
             )
+        if isinstance(self.compile, Mapping) and not isinstance(self.compile, FrozenDict):
+            object.__setattr__(self, "compile", FrozenDict(self.compile))
         for name in ("pas_config", "user_config"):
             if not isinstance(getattr(self, name), FrozenDict):
                 object.__setattr__(self, name, FrozenDict(getattr(self, name)))
-        if self.runtime_ngpus % self.plan_ngpus:
+        if self.plan_ngpus != AUTO and self.runtime_ngpus % self.plan_ngpus:
             raise ComputeConfigError(
                 f"ComputeConfig.runtime_ngpus must be a multiple of plan_ngpus (each scale "
                 f"unit of plan_ngpus devices runs one copy of the plan), got "
@@ -421,7 +441,7 @@ class ComputeConfig:
                 f"multiple such as {_near_multiples(self.runtime_ngpus, self.plan_ngpus)}"
             )
         self._settle_zero_stage()
-        units = self.scale_units
+        units = self.runtime_ngpus if self.plan_ngpus == AUTO else self.scale_units
         if not self.use_zero and self.zero_ngroups != 1:
             raise ComputeConfigError(
                 f"ComputeConfig.zero_ngroups only applies with use_zero=True; got "
@@ -471,10 +491,23 @@ class ComputeConfig:
                              constant_folding=self.constant_folding,
                              allow_data_dependent=self.allow_data_dependent)
 
+    @property
+    def compiler(self) -> CompileConfig:
+        """``torch.compile`` of the generated code: the ``compile`` field, checked."""
+        return CompileConfig.from_value(self.compile)
+
     # -- derived ------------------------------------------------------------------------
+    def resolved(self, plan_ngpus: int) -> ComputeConfig:
+        """This config with ``plan_ngpus`` (the unit size a policy chose for ``'auto'``)."""
+        return dataclasses.replace(self, plan_ngpus=plan_ngpus)
+
     @property
     def scale_units(self) -> int:
         """How many copies of the plan run data parallel: ``runtime_ngpus // plan_ngpus``."""
+        if self.plan_ngpus == AUTO:
+            raise ComputeConfigError("ComputeConfig(plan_ngpus='auto') has no scale units "
+                                     "until autodist chooses plan_ngpus in parallelize; read "
+                                     "it from the parallel module, or give it")
         return self.runtime_ngpus // self.plan_ngpus
 
     @property
@@ -486,12 +519,14 @@ class ComputeConfig:
 
     def unit_ranks(self, rank: int) -> tuple[int, ...]:
         """The runtime ranks of the scale unit that ``rank`` belongs to."""
+        _ = self.scale_units  # raises for an unresolved 'auto'
         start = rank // self.plan_ngpus * self.plan_ngpus
         return tuple(range(start, start + self.plan_ngpus))
 
     def replica_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks at ``rank``'s position in every scale unit (data parallel replicas)."""
-        return tuple(range(rank % self.plan_ngpus, self.runtime_ngpus, self.plan_ngpus))
+        end = self.scale_units * self.plan_ngpus  # runtime_ngpus; raises for 'auto'
+        return tuple(range(rank % self.plan_ngpus, end, self.plan_ngpus))
 
     # -- serialization ------------------------------------------------------------------
     @classmethod

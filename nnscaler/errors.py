@@ -139,6 +139,11 @@ class ComputeConfigError(NNScalerError, ValueError):
     """A ``ComputeConfig`` field with a value that cannot work."""
 
 
+class CompileConfigError(NNScalerError, ValueError):
+    """A ``compile`` value that ``torch.compile`` of generated code cannot take
+    (``ComputeConfig`` raises it as its ``ComputeConfigError``)."""
+
+
 class LoggerLevelError(NNScalerError, ValueError):
     """A logging level that the logging module does not know."""
 
@@ -235,6 +240,10 @@ class CodegenError(NNScalerError, ValueError):
 
 class CollectiveError(NNScalerError, RuntimeError):
     """A collective called with arguments that cannot work on this rank."""
+
+
+class CompileError(NNScalerError, RuntimeError):
+    """``ComputeConfig(compile=...)`` asked for something ``torch.compile`` cannot do here."""
 
 
 class DeviceError(NNScalerError, RuntimeError):

@@ -13,7 +13,7 @@ under ``plugins/``. The names, by what a plugin does with them:
 - policies: the graph (`IRGraph`, `Graph`, `Op`, `SubTensor`, `FullTensor`,
   `TensorKind`, `tensors_in`, `layer_path`, `repeated_blocks`), the configuration
   (`ComputeConfig`, `PipelineConfig`, `as_compute_config`, `policy_config`,
-  `as_policy_graph`, `DEFAULT_SCHEDULER`, `DEFAULT_BUCKET_CAP_MB`), the costs a
+  `as_policy_graph`, `AUTO`, `DEFAULT_SCHEDULER`, `DEFAULT_BUCKET_CAP_MB`), the costs a
   search weighs (`op_work`, `op_layouts`, `part_piece`, `replicated`), work handed to
   every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`), experts (`is_moe`, `require_moe_layers`,
   `expert_transform`) and running ops for profiling (`run_ops`,
@@ -29,6 +29,7 @@ from __future__ import annotations
 from nnscaler.anno import Replicate, Split, Transform, ValuePartial
 from nnscaler.anno.partgroup import PartGroup, check_reduce_op
 from nnscaler.config import (
+    AUTO,
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_SCHEDULER,
     ComputeConfig,
@@ -69,6 +70,7 @@ from nnscaler.runtime.device import current_device, device_type
 from nnscaler.schedule import get_schedule
 
 __all__ = [
+    "AUTO",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULER",
     "ComputeConfig",

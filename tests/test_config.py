@@ -42,6 +42,7 @@ SURFACE = [
     ("check_custom_ops", True),
     ("pas_config", {}),
     ("user_config", {}),
+    ("compile", False),
 ]
 
 

@@ -19,6 +19,9 @@ Checks (see bench/README.md, "GPU check", for what each figure means):
   and its estimated step time is held against the measured step;
 - ``measure-peak``: ``measure_peak`` of the autodist plugin against known allocations and
   against ``torch.cuda.max_memory_allocated`` of the same step (on CPU: its profiler path);
+- ``compiled-codegen``: generated code under ``ComputeConfig(compile=...)`` (the
+  ``--compile-backend``), GPT with a plan of one device: loss and gradients against the
+  eager model, and its step time against the same generated code run eagerly;
 - ``throughput``: a Llama of about 1 B parameters in bf16 with sdpa attention at sequence
   2048 (tiny on CPU) through the Trainer (a plan of one device), against a plain PyTorch
   loop and ``torch.compile`` of that loop on the same model and batch.
@@ -167,6 +170,7 @@ class Check:
 
 def all_checks() -> list[Check]:
     from gpu_checks import autodist_estimate, cuda_tests, measure_peak_check, parity, quickstart
+    from gpu_compile import compiled_codegen
     from gpu_throughput import throughput
 
     return [
@@ -176,6 +180,7 @@ def all_checks() -> list[Check]:
         Check("quickstart", quickstart, 120, 120, needs=("numpy",)),
         Check("autodist-estimate", autodist_estimate, 90, 90, needs=("numpy",)),
         Check("measure-peak", measure_peak_check, 30, 30),
+        Check("compiled-codegen", compiled_codegen, 90, 120, needs=("numpy",)),
         Check("throughput", throughput, 120, 300, needs=("numpy", "transformers")),
     ]
 
@@ -276,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="timed steps per mode of autodist-estimate and throughput "
                              "(default 10 on CUDA, 3 on CPU)")
     parser.add_argument("--compile-backend", default=None,
-                        help="torch.compile's backend in the throughput check (default: "
+                        help="torch.compile's backend in the compiled-codegen and throughput checks (default: "
                              "inductor on CUDA, aot_eager on CPU)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     return parser.parse_args(argv)

@@ -38,6 +38,8 @@ def header(p: Program, rank: int, where: str) -> list[str]:
     config = [f"plan_ngpus={p.plan_ngpus}", f"runtime_ngpus={p.runtime_ngpus}",
               f"use_end2end={p.end2end}", f"inference_only={p.inference_only}"]
     config += [f"{k}={v!r}" for k, v in p.reducer_config.items()]
+    if p.compile_config is not None:
+        config.append(f"compile={p.compile_config!r}")
     config += [f"{k}={v!r}" for k, v in origin.get("config", {}).items()]
     paragraphs.append(f"Compute config: {', '.join(config)}.")
     if origin.get("policy"):
@@ -71,6 +73,8 @@ def program_attributes(p: Program) -> Wrapped:
         ("reducer_groups", p.reducer_groups),
         ("reducer_config", p.reducer_config),
     ]
+    if p.compile_config is not None:
+        attrs_.append(("compile_config", p.compile_config))
     return Wrapped.of([f"{_INDENT}{k} = {literal(v)}" for k, v in attrs_])
 
 

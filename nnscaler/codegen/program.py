@@ -175,6 +175,7 @@ def build_program(
     g = as_irgraph(graph)
     check_plan(g, plan_ngpus)
     pipe = _pipeline_of(g, plan_ngpus, end2end, config, pipeline)
+    _check_compile(pipe, config)
     builder = _Builder(g, plan_ngpus, runtime_ngpus, pipe)
     args = _forward_args(g, forward_signature, builder.namer)
     builder.args = {name for name, _ in args}
@@ -205,6 +206,7 @@ def build_program(
         process_groups=[],
         reducer_groups=[],
         pipeline=pipe,
+        compile_config=config.compiler.as_options(),
         origin=_origin(origin, config),
     )
     program.process_groups, program.reducer_groups = process_groups(program)
@@ -228,6 +230,16 @@ def _pipeline_of(g: IRGraph, plan_ngpus: int, end2end: bool, config: ComputeConf
         )
     pipe.settings = pipeline_settings(config, pipeline)
     return pipe
+
+
+def _check_compile(pipe: PipelinePlan | None, config: ComputeConfig) -> None:
+    if pipe is not None and config.compiler.enabled:
+        raise CodegenError(
+            f"ComputeConfig(compile=...) is not supported for a pipelined plan (this one has "
+            f"{len(pipe.stages)} stages): its stages run under a schedule that interleaves "
+            f"micro-batches and point-to-point transfers, which the compiled regions do not "
+            f"cover yet. Compile a plan without stages, or leave compile off"
+        )
 
 
 def _origin(origin: Mapping[str, Any] | None, compute_config: ComputeConfig) -> dict[str, Any]:

@@ -120,6 +120,8 @@ class Program:
     process_groups: list[tuple[int, ...]]
     reducer_groups: list[tuple[int, ...]]
     pipeline: PipelinePlan | None = None
+    #: ``torch.compile``'s keywords (``ComputeConfig.compiler``), None when compile is off
+    compile_config: dict[str, Any] | None = None
     #: what produced the plan, for the file's header: ``module`` (class path), ``policy``
     #: (name) and ``config`` (compute config fields beyond the sizes and reducer options)
     origin: dict[str, Any] = attrs.field(factory=dict)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import gendir
+from nnscaler.config import AUTO
 from nnscaler.errors import ParallelizeError, ReuseMismatchError
 from nnscaler.parallel import fingerprint, graph_pickle, locks, paths, staging, workers
 from nnscaler.parallel.broadcast import broadcast_gen_files
@@ -294,6 +295,8 @@ class _Generator:
                 f"the policy {name!r} must return the IRGraph it was given (after placing "
                 f"its ops), got {type(result).__name__}"
             )
+        if self.config.plan_ngpus == AUTO:
+            self.config = self.config.resolved(_unit_size(result, name, self.config))
         try:
             result.check(self.config.plan_ngpus)
         except Exception as e:
@@ -320,6 +323,18 @@ class _Generator:
         if isinstance(self.pas_policy, str):
             return repr(self.pas_policy)
         return getattr(self.pas_policy, "__qualname__", repr(self.pas_policy))
+
+
+def _unit_size(graph: Any, policy: str, config: ComputeConfig) -> int:
+    """The unit size a policy chose for ``plan_ngpus='auto'``: the devices its plan uses."""
+    devices = {op.plan.device for op in graph.nodes() if op.plan.device is not None}
+    n = max(devices, default=-1) + 1
+    if n < 1 or config.runtime_ngpus % n:
+        raise ParallelizeError(
+            f"plan_ngpus='auto': the policy {policy!r} placed ops on {n} device(s), which is "
+            f"not a unit size dividing runtime_ngpus={config.runtime_ngpus}; only a policy "
+            f"that chooses the unit (autodist) can take plan_ngpus='auto'")
+    return n
 
 
 # -- rank 0 -> everyone -----------------------------------------------------------------

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nnscaler.config import ComputeConfig, ComputeConfigError, as_compute_config
-from nnscaler.errors import PolicyError
+from nnscaler.config import AUTO, ComputeConfig, ComputeConfigError, as_compute_config
+from nnscaler.errors import PlanError, PolicyError
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op
 
@@ -23,9 +23,14 @@ def policy_config(compute_config: Any, policy: str) -> ComputeConfig:
     from the fields of another object, e.g. a test's ``SimpleNamespace``); a config that
     cannot be one raises `PolicyError` naming the policy."""
     try:
-        return as_compute_config(compute_config)
+        config = as_compute_config(compute_config)
     except ComputeConfigError as e:
         raise PolicyError(f"policy {policy!r}: {e}") from None
+    if config.plan_ngpus == AUTO and policy != "autodist":
+        raise PolicyError(f"policy {policy!r} needs the unit size: plan_ngpus='auto' is "
+                          f"chosen by the autodist policy only; give plan_ngpus (a divisor of "
+                          f"runtime_ngpus={config.runtime_ngpus}) or use 'autodist'")
+    return config
 
 
 def as_policy_graph(graph: Graph) -> IRGraph:

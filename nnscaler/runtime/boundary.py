@@ -31,6 +31,7 @@ from nnscaler.layout import Layout, Plan
 from nnscaler.layout import plan as make_plan
 from nnscaler.runtime.adapters import execute_plan, plan_groups
 from nnscaler.runtime.collectives import CollectiveError, raw_all_reduce
+from nnscaler.runtime.compiling import outside_compiled
 from nnscaler.runtime.device import current_device
 
 __all__ = ["Adapter", "check_inputs", "input", "output"]
@@ -62,6 +63,7 @@ class _Input(torch.autograd.Function):
         return raw_all_reduce(g.contiguous(), ctx.ranks), None
 
 
+@outside_compiled
 def output(t: Any, first: bool, anchors: Sequence[torch.Tensor] = ()) -> Any:
     """An output of the module: identity forward; backward keeps the gradient on the
     ``first`` device of the output's layout and gives zeros elsewhere (and zeros to
@@ -74,6 +76,7 @@ def output(t: Any, first: bool, anchors: Sequence[torch.Tensor] = ()) -> Any:
     return _Output.apply(bool(first), t, *live)
 
 
+@outside_compiled
 def input(t: Any, ranks: Sequence[int]) -> Any:  # noqa: A001 - the contract's name
     """A forward argument that requires grad: identity forward; backward all-reduces the
     gradient over ``ranks`` (the scale unit's ranks). Other values pass through."""
@@ -184,6 +187,7 @@ class Adapter:
         """The process groups running this adapter (forward and backward) needs."""
         return plan_groups(self.plan, grad="exact")
 
+    @outside_compiled
     def __call__(self, x: torch.Tensor | None) -> torch.Tensor:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         device = x.device if x is not None else current_device()

@@ -119,6 +119,8 @@ class ParallelModule(torch.nn.Module):
     reducer_groups: Sequence[tuple[int, ...]] = ()
     reducer_config: dict[str, Any] = {}  # noqa: RUF012 - set by each generated class
     pipeline: Pipeline | None = None  # the stages and schedule of a pipelined module
+    #: ``torch.compile``'s keywords when generated with ``ComputeConfig(compile=...)``
+    compile_config: dict[str, Any] | None = None
 
     def __init__(self, init_params: bool = True) -> None:
         super().__init__()
@@ -204,6 +206,21 @@ class ParallelModule(torch.nn.Module):
             ensure_groups(self.process_groups)
         if not self.inference_only:
             self._build_reducers()
+        if self.compile_config is not None:
+            self._compile()
+
+    def _compile(self) -> None:
+        # an instance attribute shadows the method: forward and train_step run the
+        # compiled regions, and communication stays eager (nnscaler.runtime.compiling)
+        from nnscaler.runtime.compiling import compile_forward
+
+        if self.pipeline is not None:
+            raise ParallelModuleError(
+                f"{type(self).__qualname__} is pipelined and has compile_config: compile "
+                f"does not cover pipeline schedules; generate it without compile"
+            )
+        self._forward_impl = compile_forward(  # type: ignore[method-assign]
+            self._forward_impl, self.compile_config, owner=type(self).__qualname__)
 
     def _check_rank(self) -> None:
         name = type(self).__qualname__

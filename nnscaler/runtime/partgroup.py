@@ -20,6 +20,7 @@ from nnscaler.runtime.collectives import (
     all_to_all_uneven,
     this_rank,
 )
+from nnscaler.runtime.compiling import outside_compiled
 from nnscaler.runtime.groups import get_group
 
 __all__ = ["ProcessPartGroup"]
@@ -37,6 +38,7 @@ class ProcessPartGroup(PartGroup):
         self.size = len(self.ranks)
         self.index = self.ranks.index(rank)
 
+    @outside_compiled
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         check_reduce_op(op)
         if self.size == 1:
@@ -47,6 +49,7 @@ class ProcessPartGroup(PartGroup):
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=get_group(self.ranks))
         return out
 
+    @outside_compiled
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x.unsqueeze(0)
@@ -54,12 +57,14 @@ class ProcessPartGroup(PartGroup):
         # each part's x gets the reduce-scatter of the gradients
         return all_gather(x.unsqueeze(0), self.ranks, 0, grad="exact")
 
+    @outside_compiled
     def send_recv(self, x: torch.Tensor, dst: int, src: int) -> torch.Tensor:
         check_peers(self, dst, src)
         if dst == self.index and src == self.index:
             return x
         return _SendRecv.apply(x, self.ranks[dst], self.ranks[src])
 
+    @outside_compiled
     def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int],
                    recv_splits: Sequence[int]) -> torch.Tensor:
         check_splits(self, x, send_splits, recv_splits)

@@ -25,7 +25,7 @@ Result = check.Result
 
 NAMES = ["cuda-tests", "parity-gpt-fp32", "parity-gpt-bf16", "parity-llama-fp32",
          "parity-llama-bf16", "quickstart", "autodist-estimate", "measure-peak",
-         "throughput"]
+         "compiled-codegen", "throughput"]
 LINE = re.compile(r"^(PASS|FAIL|SKIP) ([\w-]+): (.+)$")
 
 
@@ -45,7 +45,7 @@ def test_cpu_mode_passes_every_check_or_skips_with_a_reason(tmp_path):
     # nothing here is skipped but the CUDA tests, and those because there is no GPU
     assert [n for n, s in statuses.items() if s == "SKIP"] == ["cuda-tests"]
     assert "no CUDA device" in dict((n, t) for _, n, t in lines)["cuda-tests"]
-    assert re.search(r"^summary: 8 passed, 0 failed, 1 skipped in [\d.]+ s on cpu$",
+    assert re.search(r"^summary: 9 passed, 0 failed, 1 skipped in [\d.]+ s on cpu$",
                      proc.stdout, re.M), proc.stdout
     figures = json.loads(out.read_text())
     assert [(c["name"], c["status"]) for c in figures["checks"]] == list(statuses.items())
@@ -56,6 +56,9 @@ def test_cpu_mode_passes_every_check_or_skips_with_a_reason(tmp_path):
     assert by_name["quickstart"]["checkpoint"] == ["0.ckpt", "meta.json"]
     assert by_name["autodist-estimate"]["profiled_ops"] > 0
     assert by_name["measure-peak"]["known_transient"] == by_name["measure-peak"]["known_bytes"]
+    compiled = by_name["compiled-codegen"]
+    assert compiled["max_grad_rel_err"] <= compiled["tolerance"] and compiled["grads"] > 0
+    assert compiled["compiled_over_eager"] > 0
     rows = by_name["throughput"]["rows"]
     assert [r["mode"] for r in rows] == ["trainer", "eager", "compiled"]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows)

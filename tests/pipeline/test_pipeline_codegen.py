@@ -126,6 +126,13 @@ def test_a_non_end2end_module_cannot_be_pipelined():
     assert "ComputeConfig(use_end2end=True)" in text
 
 
+def test_a_pipeline_refuses_compile():
+    with pytest.raises(CodegenError, match=r"compile=\.\.\.\) is not supported for a pipelined "
+                       r"plan \(this one has 2 stages\)"):
+        build_program(_staged("mlp8", [0, 1]), plan_ngpus=2, runtime_ngpus=2, end2end=True,
+                      compute_config={**PIPE, "compile": True})
+
+
 def test_pipeline_nmicros_is_required():
     with pytest.raises(CodegenError, match=r"pas_config has no 'pipeline_nmicros'"):
         build_program(_staged("mlp8", [0, 1]), plan_ngpus=2, runtime_ngpus=2, end2end=True)

@@ -91,6 +91,29 @@ def test_init_distributed_needs_torchrun_vars(no_cuda, monkeypatch):
         init_distributed()
 
 
+def test_init_distributed_picks_nccl_on_cuda(fake_cuda, monkeypatch):
+    """CUDA mocked (docs/internals/cuda-nccl-audit.md): the device is cuda:LOCAL_RANK, set
+    before the group starts, and the group is NCCL's, bounded by the timeout."""
+    import torch.distributed as dist
+
+    from nnscaler.runtime import device
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls) and calls[-1][0] == "init")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+    monkeypatch.setattr(device, "_attempt_store", lambda timeout: "store")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(
+        ("init", backend, kw["rank"], kw["world_size"], kw["timeout"].total_seconds())))
+    monkeypatch.setattr(dist, "group", type("G", (), {"WORLD": object()}))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    for name, value in (("RANK", "7"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "h"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(device, "_timeout", [None, None])
+    assert init_distributed(timeout=60) == torch.device("cuda", 3)
+    assert calls == [("set_device", "cuda:3"), ("init", "nccl", 7, 8, 60.0)]
+
+
 def _child(port: int, queue: mp.Queue) -> None:
     import os
 

@@ -2,7 +2,9 @@
 
 ``save_plan_path`` writes, for every op in program order, its name, module, source line,
 pipeline stage and choice (``"replicate"`` or ``{"idx": i, "dim": d}``: split input ``i``
-along dim ``d`` over the stage's devices), with the pipeline and the estimates.
+along dim ``d`` over the stage's devices), with the pipeline and the estimates; with
+``plan_ngpus='auto'`` also the chosen ``mesh`` (replicas x unit) and the alternatives
+searched, so that ``load_plan_path`` under ``'auto'`` replays the same unit size.
 ``load_plan_path`` replays the choices on the graph being compiled: the ops must be the
 same (name and module, in order; shapes may differ), every split must be legal for the
 shapes now, and the costs are derived anew for them (the estimates in the file are not
@@ -26,7 +28,7 @@ from nnscaler_policy_autodist.spmd import Solution
 if TYPE_CHECKING:
     from nnscaler_policy_autodist.policy import AutoDistResult
 
-__all__ = ["FORMAT", "PlanFileError", "replay", "save", "to_json"]
+__all__ = ["FORMAT", "PlanFileError", "replay", "save", "saved_unit", "to_json"]
 
 FORMAT = "nnscaler-autodist-plan/1"
 
@@ -52,11 +54,37 @@ def to_json(result: AutoDistResult) -> dict[str, Any]:
                         "stage": s, "split": _choice(problem.options[i][sol.choice[i]].transform)})
     for i, entry in enumerate(ops):
         entry["index"] = i
-    return {"format": FORMAT, "plan_ngpus": result.plan_ngpus,
-            "pipeline": {"nstages": pipe.nstages, "devices_per_stage": pipe.k,
-                         "nmicros": pipe.nmicros, "scheduler": pipe.scheduler},
-            "estimate": {"step_time_ms": pipe.step_time * 1e3, "stages": stages},
-            "ops": ops}
+    out = {"format": FORMAT, "plan_ngpus": result.plan_ngpus,
+           "pipeline": {"nstages": pipe.nstages, "devices_per_stage": pipe.k,
+                        "nmicros": pipe.nmicros, "scheduler": pipe.scheduler},
+           "estimate": {"step_time_ms": pipe.step_time * 1e3, "stages": stages},
+           "ops": ops}
+    if result.meshes:
+        out["mesh"] = {"replicas": result.meshes[0].replicas, "unit": result.meshes[0].unit,
+                       "runtime_ngpus": result.meshes[0].replicas * result.meshes[0].unit,
+                       "searched": [_mesh(m) for m in result.meshes]}
+    return out
+
+
+def _mesh(m: Any) -> dict[str, Any]:
+    return {"replicas": m.replicas, "unit": m.unit, "stages": m.stages, "fits": m.fits,
+            "step_time_ms": None if m.step_time is None else m.step_time * 1e3,
+            "time_per_batch_ms": None if m.step_time is None else m.time_per_batch * 1e3,
+            "memory_gb": m.memory / 1024**3}
+
+
+def saved_unit(path: Path, runtime_ngpus: int) -> int:
+    """The unit size a saved plan was made for (``plan_ngpus='auto'`` replays it)."""
+    try:
+        n = json.loads(Path(path).read_text()).get("plan_ngpus")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PlanFileError(f"policy 'autodist': cannot read the plan {str(path)!r}: "
+                            f"{e}") from None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or runtime_ngpus % n:
+        raise PlanFileError(
+            f"policy 'autodist': the plan {str(path)!r} was made for plan_ngpus={n!r}, which "
+            f"does not divide runtime_ngpus={runtime_ngpus}; replan without load_plan_path")
+    return n
 
 
 def save(path: Path, result: AutoDistResult) -> None:

@@ -5,7 +5,9 @@ The order of the steps:
 1. read ``pas_config`` (`config`); build the cost model: the device's figures
    (`comm`), the compute profiler (`profile`), constraints and recomputation;
 2. choose the pipeline (`pipeline`): the number of stages, the cuts at layer
-   boundaries, each stage's devices; or replay a saved plan (`planfile`);
+   boundaries, each stage's devices; or replay a saved plan (`planfile`); with
+   ``plan_ngpus='auto'``, at every unit size that divides ``runtime_ngpus``, keeping the
+   best mesh (`mesh`);
 3. solve each stage (`spmd`) under the memory limit, with the stage's in-flight
    micro-batches;
 4. apply the choices through the policy writer's API (``staging``, ``partition`` /
@@ -22,6 +24,7 @@ import time
 import attrs
 
 from nnscaler.extend import (
+    AUTO,
     ComputeConfig,
     Graph,
     IRGraph,
@@ -34,6 +37,7 @@ from nnscaler.extend import (
 from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
+from nnscaler_policy_autodist.mesh import Mesh, rank_meshes, unit_sizes
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
@@ -42,7 +46,7 @@ from nnscaler_policy_autodist.pipeline import (
     stage_counts,
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
-from nnscaler_policy_autodist.spmd import Solution
+from nnscaler_policy_autodist.spmd import NoPlanFits, Solution
 
 __all__ = ["AutoDistResult", "autodist", "plan_graph"]
 
@@ -61,6 +65,8 @@ class AutoDistResult:
     limit: float | None
     search_seconds: float
     profiled: int
+    #: ``plan_ngpus='auto'``: every mesh searched, best (the chosen one) first
+    meshes: tuple[Mesh, ...] = ()
 
 
 def _recompute_paths(graph: IRGraph, names: tuple[str, ...]) -> list[str]:
@@ -89,15 +95,53 @@ def _in(op: Op, path: str) -> bool:
     return op.module_path == path or op.module_path.startswith(path + ".")
 
 
+def _unit_sizes(config: ComputeConfig, cfg: AutoDistConfig) -> list[int]:
+    """The unit sizes to search: the given ``plan_ngpus``; for ``'auto'`` the saved plan's
+    (``load_plan_path``) or every divisor of ``runtime_ngpus`` that the stage count fits."""
+    from nnscaler_policy_autodist import planfile
+
+    if config.plan_ngpus != AUTO:
+        return [config.plan_ngpus]
+    if cfg.load_plan_path is not None:
+        return [planfile.saved_unit(cfg.load_plan_path, config.runtime_ngpus)]
+    s = 1 if cfg.pipeline_nstages == "auto" else int(cfg.pipeline_nstages)
+    return [n for n in unit_sizes(config.runtime_ngpus) if n % s == 0]
+
+
+def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistConfig,
+                   limit: float | None, nmicros: int, outputs: list, runtime: int,
+                   ) -> tuple[int, tuple, tuple[Mesh, ...]]:
+    """The plan at each unit size; the best mesh's size, its plan and every mesh ranked."""
+    found, meshes = {}, []
+    for n, model in models.items():
+        try:
+            found[n] = search_pipeline(ops, n, model, cfg, limit, nmicros, outputs)
+        except NoPlanFits as e:
+            meshes.append(Mesh(n, runtime // n, None, e.need))
+            continue
+        pipe, _, sols = found[n]
+        meshes.append(Mesh(n, runtime // n, pipe.step_time, max(s.mem for s in sols),
+                           pipe.nstages))
+        logger.info("autodist: mesh %s: estimated step %.3f ms", meshes[-1].describe(),
+                    pipe.step_time * 1e3)
+    ranked = tuple(rank_meshes(meshes))
+    if not ranked[0].fits:
+        e = NoPlanFits(ranked[0].memory, limit or 0.0)
+        e.add_note(f"plan_ngpus='auto': no unit size of runtime_ngpus={runtime} fits (tried "
+                   f"{sorted(models)}); the least memory is needed with {ranked[0].describe()}")
+        raise e
+    return ranked[0].unit, found[ranked[0].unit], ranked
+
+
 def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
     """Plan ``graph`` like the ``autodist`` policy and also return what it chose."""
     from nnscaler_policy_autodist import planfile, report
 
     t0 = time.perf_counter()
     config = policy_config(compute_config, "autodist")
-    n, runtime, zero = config.plan_ngpus, config.runtime_ngpus, config.use_zero
+    runtime, zero = config.runtime_ngpus, config.use_zero
     cfg = parse_config(config.pas_config, config.pipeline)
-    units = config.scale_units
+    sizes = _unit_sizes(config, cfg)
     g = as_policy_graph(graph)
     ops = g.nodes()
     from nnscaler.extend import device_type
@@ -112,23 +156,29 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
     allowed = load_constraints(cfg.partition_constraints_path, g)
     nmicros = cfg.pipeline_nmicros or 1
-    model = CostModel(profiler=profiler, comm=CommModel(spec), units=units, zero=zero,
-                      recompute=recompute, allowed=allowed,
-                      max_degree=cfg.max_partition_degree,
-                      micro_batches=nmicros * cfg.update_freq,
-                      share=core_share() if here else 1.0)
+    models = {n: CostModel(profiler=profiler, comm=CommModel(spec), units=runtime // n,
+                           zero=zero, recompute=recompute, allowed=allowed,
+                           max_degree=cfg.max_partition_degree,
+                           micro_batches=nmicros * cfg.update_freq,
+                           share=core_share() if here else 1.0) for n in sizes}
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
-        profiler.prefetch([(op, t, n // s) for s in stage_counts(n, cfg, len(ops),
-                                                                 count_layers(ops))
+        profiler.prefetch([(op, t, n // s) for n, model in models.items()
+                           for s in stage_counts(n, cfg, len(ops), count_layers(ops))
                            for op in ops for t in model.transforms(op, n // s)])
     if here:  # the ops' times as they take in a whole step of this model
         profiler.calibrate(ops, g.output_tensors())
+    meshes: tuple[Mesh, ...] = ()
     if cfg.load_plan_path is not None:
-        pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, model,
+        n = sizes[0]
+        pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, models[n],
                                                     nmicros)
+    elif config.plan_ngpus == AUTO:
+        n, (pipe, problems, solutions), meshes = _search_meshes(
+            ops, models, cfg, limit, nmicros, g.output_tensors(), runtime)
     else:
-        pipe, problems, solutions = search_pipeline(ops, n, model, cfg, limit, nmicros,
+        n = sizes[0]
+        pipe, problems, solutions = search_pipeline(ops, n, models[n], cfg, limit, nmicros,
                                                     g.output_tensors())
     profiler.save()
     _apply(g, pipe, problems, solutions)
@@ -137,7 +187,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     g.check(n)
     result = AutoDistResult(config=cfg, plan_ngpus=n, pipeline=pipe, problems=tuple(problems),
                             solutions=tuple(solutions), limit=limit,
-                            search_seconds=time.perf_counter() - t0, profiled=profiler.profiled)
+                            search_seconds=time.perf_counter() - t0, profiled=profiler.profiled,
+                            meshes=meshes)
     if cfg.task_name is not None:
         logger.info("autodist plan of task %r:", cfg.task_name)
     logger.info("%s", report.text(result))

@@ -33,6 +33,7 @@ def text(result: AutoDistResult, top: int = TOP) -> str:
         + (f" ({pipe.scheduler}: sum of stages + (micro-batches - 1) x slowest)"
            if pipe.nstages > 1 else ""),
     ]
+    lines += _meshes(result, top)
     limit = "none" if result.limit is None else f"{result.limit / GB:.3f} GB"
     for s, (problem, sol) in enumerate(zip(result.problems, result.solutions)):
         devices = f"{s * pipe.k}..{(s + 1) * pipe.k - 1}" if pipe.k > 1 else f"{s * pipe.k}"
@@ -54,6 +55,25 @@ def text(result: AutoDistResult, top: int = TOP) -> str:
                          f"{op.name} in {op.module_path or '<root>'}: {how} "
                          f"at {op.short_source}{code}")
     return "\n".join(lines)
+
+
+def _meshes(result: AutoDistResult, top: int) -> list[str]:
+    """``plan_ngpus='auto'``: the chosen mesh and the ``top`` best alternatives."""
+    if not result.meshes:
+        return []
+    chosen, *others = result.meshes
+    runtime = chosen.replicas * chosen.unit
+    lines = [f"  mesh: {chosen.describe()} (plan_ngpus='auto': chosen from {len(result.meshes)} "
+             f"factorisation(s) of runtime_ngpus={runtime} by estimated time per batch = step "
+             f"time / replicas)"]
+    for tag, m in [("chosen", chosen), *(("", m) for m in others[:top])]:
+        if m.fits:
+            est = (f"step {_ms(m.step_time)}, per batch {_ms(m.time_per_batch)}, "
+                   f"memory {m.memory / GB:.4f} GB per device")
+        else:
+            est = f"no plan fits: needs {m.memory / GB:.4f} GB per device"
+        lines.append(f"    {tag:6} {m.describe()}: {est}")
+    return lines
 
 
 def plot(result: AutoDistResult, path: Path | str) -> Path:

@@ -56,13 +56,22 @@ def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
                      seed=seed)
 
 
-def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[str, Any],
+def train(rank: int, world: int, kind: str, plan_ngpus: int | str, pas_config: dict[str, Any],
           outdir: str, steps: int = 2, micro: int = 1, use_zero: bool = False) -> dict:
     """Train ``steps`` optimizer steps with autodist; compare with one process seeing every
     unit's micro-batches: the losses, every gradient piece before each step and every
     parameter piece after the last (rtol 1e-5)."""
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
+    # parallelized first: with plan_ngpus='auto' the plan decides the units (the dummy
+    # batch, seed 0, is the first micro-batch of the first unit either way)
+    cfg = ComputeConfig(plan_ngpus, world, use_end2end=True, use_zero=use_zero,
+                        pas_config=pas_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(make(kind), {"data" if kind == "quickstart" else "batch": batch(kind, 0)},
+                         "autodist", cfg, gen_savedir=outdir)
+    plan_ngpus = pm.plan_ngpus
     units = world // plan_ngpus
     data = [[[batch(kind, 100 * s + 10 * u + m) for m in range(micro)] for u in range(units)]
             for s in range(steps)]
@@ -81,12 +90,6 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[st
                           if p.grad is not None})
         opt.step()
         ref_losses.append(row)
-    cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=world, use_end2end=True,
-                        use_zero=use_zero, pas_config=pas_config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = parallelize(make(kind), {"data" if kind == "quickstart" else "batch": data[0][0][0]},
-                         "autodist", cfg, gen_savedir=outdir)
     popt = build_optimizer(pm, torch.optim.SGD, **SGD)
     unit = rank // plan_ngpus
     pieces = [(attr, meta) for attr, meta in pm.fullmap.items()
@@ -116,4 +119,4 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int, pas_config: dict[st
         torch.testing.assert_close(getattr(pm, attr).detach(), full[meta.slicers], rtol=1e-5,
                                    atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
         checked += 1
-    return {"checked": checked}
+    return {"checked": checked, "plan_ngpus": plan_ngpus}

@@ -16,11 +16,13 @@ def _run(rank, world, kind, plan_ngpus, pas_config, outdir, micro):
     ("quickstart", 1, 2, 1),   # the seed quickstart: pure data parallelism
     ("mlp", 2, 2, 1),
     ("gpt", 2, 2, 2),
+    ("gpt", "auto", 2, 1),     # autodist chooses replicas x unit
 ])
 def test_parity_2_procs(kind, plan_ngpus, world, micro, tmp_path):
     cfg = {"profile_dir": str(tmp_path / "profile")}
     results = run_distributed(_run, world, kind, plan_ngpus, cfg, str(tmp_path / "gen"), micro)
     assert all(r["checked"] > 0 for r in results)
+    assert len({r["plan_ngpus"] for r in results}) == 1  # one unit size on every rank
 
 
 @pytest.mark.slow
@@ -28,6 +30,7 @@ def test_parity_2_procs(kind, plan_ngpus, world, micro, tmp_path):
     ("gpt", 4, {}),
     ("gpt", 4, {"pipeline_nstages": 2, "pipeline_nmicros": 2}),
     ("mlp", 2, {}),
+    ("gpt", "auto", {}),
 ])
 def test_parity_4_procs(kind, plan_ngpus, pas, tmp_path):
     cfg = {"profile_dir": str(tmp_path / "profile"), **pas}

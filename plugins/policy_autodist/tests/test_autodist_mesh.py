@@ -1,0 +1,131 @@
+"""``plan_ngpus='auto'``: autodist chooses data-parallel replicas x unit size. The choice
+logic (property tests), the search at every unit size on one process, the report and
+the plan file, the errors; multi-process parity is in test_autodist_parity.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from nnscaler_policy_autodist import NoPlanFits, plan_graph
+from nnscaler_policy_autodist.mesh import Mesh, rank_meshes, unit_sizes
+
+from nnscaler.config import ComputeConfig, ComputeConfigError
+from nnscaler.graph import IRGraph, run_plan
+from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
+from nnscaler.policies import PolicyError
+from nnscaler.trace import trace
+
+CFG = GPTConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, seq_len=8)
+
+
+@given(st.integers(1, 2048))
+def test_unit_sizes_are_the_divisors(world):
+    sizes = unit_sizes(world)
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == world
+    assert all(world % n == 0 for n in sizes)
+    assert len(sizes) == sum(world % n == 0 for n in range(1, world + 1))
+
+
+meshes = st.lists(st.builds(
+    lambda unit, replicas, t, mem: Mesh(unit, replicas, t, mem),
+    st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]),
+    st.one_of(st.none(), st.floats(1e-4, 10.0)), st.floats(1.0, 1e9)), min_size=1)
+
+
+@given(meshes)
+def test_the_best_mesh_is_first(found):
+    ranked = rank_meshes(found)
+    assert sorted(map(id, ranked)) == sorted(map(id, found))
+    fit = [m for m in ranked if m.fits]
+    assert ranked[:len(fit)] == fit  # every mesh that fits before any that does not
+    for a, b in zip(fit, fit[1:]):
+        assert (a.time_per_batch, a.memory) <= (b.time_per_batch, b.memory)
+    rest = ranked[len(fit):]
+    assert all(a.memory <= b.memory for a, b in zip(rest, rest[1:]))
+
+
+def test_time_per_batch_counts_the_replicas():
+    wide = Mesh(unit=1, replicas=4, step_time=0.010, memory=2.0)
+    deep = Mesh(unit=4, replicas=1, step_time=0.004, memory=1.0)
+    assert rank_meshes([deep, wide])[0] is wide  # 2.5 ms per batch against 4 ms
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = GPTWithLoss(CFG)
+    batch = make_batch(CFG, 4)
+    return model, batch, trace(model, {"batch": batch})
+
+
+def auto(runtime, profile_dir, **pas):
+    return SimpleNamespace(plan_ngpus="auto", runtime_ngpus=runtime, use_end2end=True,
+                           use_zero=False, pas_config={"profile_dir": profile_dir, **pas})
+
+
+def test_auto_searches_every_unit_size_and_records_the_mesh(gpt, tmp_path, caplog):
+    model, batch, traced = gpt
+    path = tmp_path / "plan.json"
+    with caplog.at_level(logging.INFO, logger="nnscaler.autodist"):
+        g, result = plan_graph(IRGraph.from_graph(traced),
+                               auto(4, str(tmp_path / "p"), save_plan_path=str(path)))
+    torch.testing.assert_close(run_plan(g, model, {"batch": batch}), model(batch), rtol=1e-5,
+                               atol=1e-6)
+    assert sorted(m.unit for m in result.meshes) == [1, 2, 4]
+    assert all(m.unit * m.replicas == 4 for m in result.meshes)
+    chosen = result.meshes[0]
+    assert result.plan_ngpus == chosen.unit and chosen == rank_meshes(list(result.meshes))[0]
+    assert chosen.step_time == pytest.approx(result.pipeline.step_time)
+    text = caplog.text
+    assert f"mesh: {chosen.describe()} (plan_ngpus='auto': chosen from 3 factorisation(s)" in text
+    assert text.count("replica(s) x unit of") >= 4  # the mesh line, the chosen and 2 others
+    saved = json.loads(path.read_text())
+    assert saved["plan_ngpus"] == chosen.unit
+    assert saved["mesh"]["unit"] == chosen.unit and saved["mesh"]["replicas"] == chosen.replicas
+    assert [(m["unit"], m["replicas"]) for m in saved["mesh"]["searched"]] == [
+        (m.unit, m.replicas) for m in result.meshes]
+    # replayed under 'auto': the same unit size and the same choices
+    g2, again = plan_graph(IRGraph.from_graph(traced),
+                           auto(4, str(tmp_path / "p"), load_plan_path=str(path)))
+    assert again.plan_ngpus == chosen.unit
+    assert [s.choice for s in again.solutions] == [s.choice for s in result.solutions]
+
+
+def test_auto_with_stages_searches_their_multiples(gpt, tmp_path):
+    _, _, traced = gpt
+    _, result = plan_graph(IRGraph.from_graph(traced), auto(
+        4, str(tmp_path), pipeline_nstages=2, pipeline_nmicros=2))
+    assert sorted(m.unit for m in result.meshes) == [2, 4]
+
+
+def test_auto_without_a_fitting_mesh_names_the_least_memory(gpt, tmp_path):
+    _, _, traced = gpt
+    with pytest.raises(NoPlanFits, match=r"smallest memory any plan of this stage needs") as e:
+        plan_graph(IRGraph.from_graph(traced), auto(2, str(tmp_path), mem_constraint=1e-6))
+    assert "plan_ngpus='auto': no unit size of runtime_ngpus=2 fits" in "".join(
+        getattr(e.value, "__notes__", []))
+
+
+def test_auto_is_for_autodist_only(gpt):
+    from nnscaler.policies import dp
+
+    _, _, traced = gpt
+    with pytest.raises(PolicyError, match=r"plan_ngpus='auto' is chosen by the autodist "
+                                          r"policy only"):
+        dp(IRGraph.from_graph(traced), ComputeConfig("auto", 2))
+
+
+def test_auto_config():
+    cfg = ComputeConfig("auto", 8, use_zero=True)
+    assert ComputeConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["plan_ngpus"] == "auto"
+    assert cfg.resolved(2).scale_units == 4
+    with pytest.raises(ComputeConfigError, match="no scale units until autodist chooses plan_ngpus"):
+        _ = cfg.scale_units
+    with pytest.raises(ComputeConfigError, match="zero_ngroups must divide the number of scale"):
+        ComputeConfig("auto", 8, use_zero=True, zero_ngroups=3)  # divides no unit count of 8
