@@ -188,7 +188,8 @@ class ReducerConfig:
         zero_ngroups: ZeRO groups the replicas are split into.
         async_op: overlap the reduction with backward.
         bucket_cap_mb: bucket size in MiB (the default when the config says None).
-        zero_stage: 0 (no sharding), 1 (optimizer state), 2 (and gradients); None
+        zero_stage: 0 (no sharding), 1 (optimizer state), 2 (and gradients), 3 (and
+            parameters); None
             follows ``use_zero``; see ``docs/zero.md``.
     """
 
@@ -288,7 +289,7 @@ def _bucket_cap(name: str, value: Any) -> None:
 
 
 #: The ZeRO stages ``ComputeConfig.zero_stage`` accepts (``docs/zero.md``).
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _zero_stage(name: str, value: Any) -> None:
@@ -296,7 +297,7 @@ def _zero_stage(name: str, value: Any) -> None:
         raise ComputeConfigError(
             f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or None (follow "
             f"use_zero), got {value!r}: 0 shards nothing, 1 the optimizer state, 2 the "
-            f"gradients too"
+            f"gradients too, 3 the parameters too"
         )
 
 
@@ -359,7 +360,8 @@ class ComputeConfig:
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
         zero_stage: how much is sharded over the replicas: 0 nothing, 1 the optimizer
-            state, 2 the gradients too (``docs/zero.md``). None (the default) follows
+            state, 2 the gradients too, 3 the parameters too, gathered one block at a
+            time (``docs/zero.md``). None (the default) follows
             ``use_zero`` (stage 1 when True, else 0); a stage given decides, and
             ``use_zero`` becomes True for stage 1 or more; ``use_zero=True, zero_stage=0``
             disagree and are refused. The stage in effect is ``reducer.zero_stage``.

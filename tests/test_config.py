@@ -192,7 +192,7 @@ def test_json_round_trip_is_stable():
         ({"plan_ngpus": 2, "runtime_ngpus": 3}, "multiple of plan_ngpus.*2 or 4"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "use_zero": 1}, "use_zero must be True or False"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "zero_ngroups": 2}, "only applies with use_zero"),
-        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2\]"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2, 3\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": True}, "zero_stage must be one of"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "use_zero": True, "zero_ngroups": 3},
          r"divide the number of scale units.*\[1, 2, 4\]"),

@@ -40,6 +40,7 @@ from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
 from nnscaler.runtime.partgroup import ProcessPartGroup
 from nnscaler.runtime.reducer import Reducer
+from nnscaler.runtime.zero3 import Zero3Runner, gathered, unit_of
 
 if TYPE_CHECKING:
     from nnscaler.runtime.pipeline import Pipeline
@@ -128,6 +129,7 @@ class ParallelModule(torch.nn.Module):
         self._reducers: list[Reducer] = []
         self._part_groups: dict[tuple[int, ...], ProcessPartGroup] = {}
         self._device = current_device()
+        self._zero3: Zero3Runner | None = None  # stage 3: gathers the parameters' units
 
     # -- registration (called by the generated __init__) --------------------------------
     @property
@@ -287,11 +289,18 @@ class ParallelModule(torch.nn.Module):
         cfg = ReducerConfig.from_options(self.reducer_config)
         zero, ngroups, async_op, cap = cfg.use_zero, cfg.zero_ngroups, cfg.async_op, cfg.bucket_cap_mb
         async_op = async_op or cfg.zero_stage >= 2  # stage 2 reduces from gradient hooks
+        if cfg.zero_stage >= 3 and self.pipeline is not None:
+            raise ParallelModuleError(
+                f"{type(self).__qualname__}: zero_stage=3 does not run with pipeline stages "
+                f"yet; use zero_stage=2 (gradients and optimizer state sharded) with a pipeline"
+            )
+        units: dict[str, list[torch.nn.Parameter]] = {}  # stage 3's gathering units
         by_holders: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for attr, meta in self.fullmap.items():
             p = getattr(self, attr)
             if meta.kind == "parameter" and p.requires_grad:
                 by_holders.setdefault(meta.holders, []).append(p)
+                units.setdefault(unit_of(meta.orig_name), []).append(p)
         distributed = dist.is_available() and dist.is_initialized()
         for holders in self.reducer_groups:
             holders = tuple(holders)
@@ -306,8 +315,10 @@ class ParallelModule(torch.nn.Module):
             self._reducers.append(Reducer(
                 params, holders, bucket_cap_mb=cap, async_op=async_op, zero=zero,
                 zero_ngroups=ngroups if len(holders) > 1 else 1, process_group=group,
-                zero_stage=cfg.zero_stage,
+                zero_stage=cfg.zero_stage, units=list(units.items()),
             ))
+        if cfg.zero_stage >= 3:
+            self._zero3 = Zero3Runner(self._reducers)
 
     # -- the optimizer's view -----------------------------------------------------------
     @property
@@ -387,9 +398,23 @@ class ParallelModule(torch.nn.Module):
         from nnscaler.runtime.state import check_module_state_dict, refresh_zero_shards
 
         check_module_state_dict(self, state_dict, prefix, local_metadata)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
-        refresh_zero_shards(self)
+        with gathered(self):  # stage 3: the values land in the whole parameters
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            refresh_zero_shards(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``torch.nn.Module.state_dict``; with ZeRO stage 3 the units are gathered for
+        it and the parameters' values copied out."""
+        if self._zero3 is None:
+            return super().state_dict(*args, **kwargs)
+        with gathered(self):
+            out = super().state_dict(*args, **kwargs)
+            for key, value in out.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata in \
+                        self._zero3.storage_bucket:
+                    out[key] = value.detach().clone()
+            return out
 
     # -- end of the state-dict section --------------------------------------------------
 
@@ -406,7 +431,14 @@ class ParallelModule(torch.nn.Module):
                 f"train_step(samples) to train or infer_step(samples) to evaluate, with a "
                 f"list of micro-batches"
             )
-        return self._forward_impl(*args, **kwargs)
+        return self._run_forward(*args, **kwargs)
+
+    def _run_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``_forward_impl``; with ZeRO stage 3 its units are gathered as it reads them."""
+        if self._zero3 is None:
+            return self._forward_impl(*args, **kwargs)
+        with self._zero3.forward():
+            return self._forward_impl(*args, **kwargs)
 
     def train_step(
         self,
@@ -450,7 +482,7 @@ class ParallelModule(torch.nn.Module):
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                out = self._forward_impl(sample)
+                out = self._run_forward(sample)
                 loss = first_output(out)
                 if is_dummy_batch is not None and is_dummy_batch[i]:
                     loss = loss * 0.0
@@ -467,4 +499,4 @@ class ParallelModule(torch.nn.Module):
 
             return pipeline.infer_step(self, samples)
         with torch.no_grad():
-            return [self._forward_impl(sample) for sample in samples]
+            return [self._run_forward(sample) for sample in samples]

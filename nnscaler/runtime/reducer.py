@@ -27,7 +27,7 @@ and docs/zero.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from nnscaler.config import DEFAULT_BUCKET_CAP_MB
 from nnscaler.runtime.teardown import track_reducer
 from nnscaler.runtime.zero import new_group, padded_numel, zero_groups
+from nnscaler.runtime.zero3 import free_unit
 
 __all__ = ["Bucket", "Reducer", "ReducerHook", "sync_grad_when"]
 
@@ -76,10 +77,14 @@ class Bucket:
 
     def __init__(
         self, params: list[torch.nn.Parameter], nshards: int, shard_index: int, zero: bool,
-        stage: int | None = None,
+        stage: int | None = None, unit: str = "",
     ):
         self.params = params
         self.stage = (1 if zero else 0) if stage is None else stage
+        self.unit = unit  # stage 3: the gathering unit ('' the rest)
+        self.gathered = True  # stage 3: whether param_buffer has storage
+        self.gather_work: Any = None
+        self.gather_src: torch.Tensor | None = None
         self.offsets: list[int] = []
         numel = 0
         for p in params:
@@ -199,7 +204,10 @@ class Reducer:
             to build the optimizer and call `gather_params` after ``step()``.
         zero_stage: with ``zero``, 1 (the default) or 2: the gradients are sharded too,
             reduce-scattered as each bucket's gradients are produced (the module
-            docstring).
+            docstring); 3: the parameters too, one bucket per unit of ``units``, gathered
+            by `nnscaler.runtime.zero3.Zero3Runner`.
+        units: stage 3: ``(name, params)`` per gathering unit, in forward order (the
+            parameters of ``params`` not listed fall into the rest unit, ``''``).
         zero_ngroups: split ``ranks`` into this many groups; state is sharded within a group
             and replicated across groups.
         process_group: group over ``ranks`` (created when None).
@@ -216,6 +224,7 @@ class Reducer:
         zero_ngroups: int = 1,
         process_group: dist.ProcessGroup | None = None,
         zero_stage: int | None = None,
+        units: Sequence[tuple[str, Sequence[torch.nn.Parameter]]] = (),
     ):
         self.ranks = tuple(sorted(ranks))
         if not self.ranks:
@@ -233,9 +242,9 @@ class Reducer:
             )
         self.bucket_cap_mb = float(bucket_cap_mb)
         stage = (1 if zero else 0) if zero_stage is None else int(zero_stage)
-        if stage not in (0, 1, 2) or (stage >= 1) != bool(zero):
+        if stage not in (0, 1, 2, 3) or (stage >= 1) != bool(zero):
             raise ValueError(
-                f"zero_stage must be 0 without zero and 1 or 2 with it, got zero={zero}, "
+                f"zero_stage must be 0 without zero and 1, 2 or 3 with it, got zero={zero}, "
                 f"zero_stage={zero_stage}; pass zero=True, zero_stage=2 for stage 2"
             )
         self.stage = stage
@@ -268,7 +277,10 @@ class Reducer:
                 continue
             seen.add(id(p))
             self.params.append(p)
-        self.buckets = self._build_buckets(groups.zero_size, groups.shard_index)
+        if stage >= 3:
+            self.buckets = self._unit_buckets(units, groups.zero_size, groups.shard_index)
+        else:
+            self.buckets = self._build_buckets(groups.zero_size, groups.shard_index)
         self._where: dict[int, tuple[int, int]] = {}
         for bi, b in enumerate(self.buckets):
             for pi, p in enumerate(b.params):
@@ -301,6 +313,31 @@ class Reducer:
             open_[key] = (ps, size + nbytes)
         for key in list(open_):
             close(key)
+        return buckets
+
+    def _unit_buckets(self, units: Sequence[tuple[str, Sequence[torch.nn.Parameter]]],
+                      nshards: int, shard_index: int) -> list[Bucket]:
+        """Stage 3: one bucket per unit and dtype, the blocks in reverse forward order
+        (the order backward completes them), the rest unit last."""
+        mine = {id(p) for p in self.params}
+        listed: set[int] = set()
+        named: list[tuple[str, list[torch.nn.Parameter]]] = []
+        for name, ps in units:
+            keep = [p for p in ps if id(p) in mine and id(p) not in listed]
+            listed.update(id(p) for p in keep)
+            if keep:
+                named.append((name, keep))
+        rest = [p for p in self.params if id(p) not in listed]
+        ordered = [u for u in reversed(named) if u[0]] + [u for u in named if not u[0]]
+        if rest:
+            ordered.append(("", rest))
+        buckets = []
+        for name, ps in ordered:
+            by_key: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+            for p in ps:
+                by_key.setdefault((p.dtype, p.device), []).append(p)
+            for group in by_key.values():
+                buckets.append(Bucket(group, nshards, shard_index, True, 3, unit=name))
         return buckets
 
     # ------------------------------------------------------------------ hooks
@@ -359,6 +396,8 @@ class Reducer:
             self.buckets[self._next_launch].ready
         ) == len(self.buckets[self._next_launch].params):
             self._launch(self.buckets[self._next_launch], async_op=True)
+            if self.stage >= 3:  # its gradients are all out: backward is done with it
+                free_unit(self.buckets[self._next_launch])
             self._next_launch += 1
             while len(self._in_flight) > 1:
                 self._finish(self._in_flight[0])
@@ -436,6 +475,8 @@ class Reducer:
         if self._round_open:  # the same buckets on every rank: the program is the same
             for bucket in self.buckets[self._next_launch :]:
                 self._launch(bucket, async_op=False)
+                if self.stage >= 3:
+                    free_unit(bucket)
         while self._in_flight:
             self._finish_stage2(self._in_flight[0])
         for bucket in self.buckets:
@@ -523,7 +564,7 @@ class Reducer:
     def gather_params(self) -> None:
         """After ``optimizer.step()`` with zero: all-gather the updated shards into the full
         parameters of every rank of the zero group. No-op without zero."""
-        if not self.zero:
+        if not self.zero or self.stage >= 3:  # stage 3 gathers when a unit is used
             return
         with torch.no_grad():
             for bucket in self.buckets:
@@ -543,7 +584,8 @@ class Reducer:
             return
         with torch.no_grad():
             for bucket in self.buckets:
-                if bucket.shard_param is not None and bucket.param_buffer is not None:
+                if bucket.shard_param is not None and bucket.param_buffer is not None \
+                        and bucket.gathered:  # stage 3: a freed unit has no new values
                     bucket.shard_param.copy_(bucket.shard_slice(bucket.param_buffer))
 
     def wait_pending(self, timeout: Any = None) -> None:

@@ -82,6 +82,14 @@ def check_pieces(pm: nn.Module, reference: dict[str, torch.Tensor], prefix: str 
                  rtol: float = 1e-5, atol: float = 1e-6) -> int:
     """Every parameter piece of the parallel module ``pm`` equals its slice of the
     reference's full tensor (``prefix``: the module's path in the reference)."""
+    from nnscaler.runtime.zero3 import gathered
+
+    with gathered(pm):  # ZeRO stage 3: the parameters hold values only when gathered
+        return _check_pieces(pm, reference, prefix, rtol, atol)
+
+
+def _check_pieces(pm: nn.Module, reference: dict[str, torch.Tensor], prefix: str,
+                  rtol: float, atol: float) -> int:
     checked = 0
     for attr, meta in pm.fullmap.items():
         if meta.kind != "parameter":

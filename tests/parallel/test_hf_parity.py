@@ -105,6 +105,8 @@ CASES = [
     ("llama", "data", 2, 4, {"use_async_reducer": True}),
     ("gpt2", "data", 2, 2, {"use_zero": True}),
     ("llama", "tp", 2, 4, {"use_zero": True, "use_async_reducer": True}),
+    ("llama", "dp", 1, 2, {"zero_stage": 3}),
+    ("llama", "tp", 2, 4, {"zero_stage": 3}),
 ]
 
 

@@ -1,0 +1,222 @@
+"""ZeRO stage 3: parameters sharded over their replicas, gathered one unit at a time.
+
+With ``zero_stage=3`` each reducer keeps, per *gathering unit*, one flat parameter
+buffer whose storage is empty except while the unit is in use; this rank holds only its
+fp32 shard (the tensor the optimizer steps). A unit is a repeated block (the parameters
+under one layer path, ``gpt.blocks.3``: what `nnscaler.graph.blocks.layer_path` calls a
+layer) or, for every other parameter, the *rest* unit.
+
+`Zero3Runner` runs a forward of the generated code under two hooks:
+
+- a `torch.overrides.TorchFunctionMode` sees every torch call; the first call that reads
+  a parameter of a freed unit all-gathers that unit (and starts the gather of the unit
+  that came next in the previous forward: prefetch, an async handle). A block unit is
+  freed when the forward moves on to another block; the rest unit when forward ends;
+- `torch.autograd.graph.saved_tensors_hooks`: a tensor saved for backward that lives in a
+  unit's buffer (a parameter, or a view of one) is saved as ``(unit, offset, size,
+  stride)``, and unpacked by gathering the unit again (prefetching the unit before it).
+
+Backward reduce-scatters each unit's gradients as in stage 2 (`nnscaler.runtime.reducer`)
+and frees the unit's parameters once its gradients are launched: they are not needed
+again in that backward (autograd accumulates a parameter's gradient after every use).
+Outside forward and backward every unit is freed; `gathered` gives the whole parameters
+for a while (``state_dict()`` and ``load_state_dict()`` use it). See ``docs/zero.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from nnscaler.runtime.module import ParallelModule
+    from nnscaler.runtime.reducer import Bucket, Reducer
+
+__all__ = ["Zero3Runner", "free_unit", "gather_unit", "gathered", "unit_of", "wait_unit"]
+
+
+def unit_of(name: str) -> str:
+    """The gathering unit of the parameter ``name``: its layer path (up to and including
+    the first numeric part, ``gpt.blocks.3.attn.q_proj.weight`` -> ``gpt.blocks.3``), or
+    ``''``, the rest unit."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def gather_unit(reducer: Reducer, bucket: Bucket, async_op: bool = False) -> None:
+    """Give ``bucket``'s parameters their values again: all-gather the shards of the
+    reducer's ZeRO group into its buffer; with ``async_op`` only start it (`wait_unit`
+    finishes it)."""
+    if bucket.gathered or bucket.param_buffer is None or bucket.shard_param is None:
+        return
+    buf = bucket.param_buffer
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    bucket.gathered = True
+    src = bucket.shard_param.detach().to(buf.dtype)
+    group = reducer._zero_group
+    if group is None:
+        buf.copy_(src)
+        return
+    bucket.gather_src = src  # alive until the gather is done
+    bucket.gather_work = dist.all_gather_single(buf, src, group=group, async_op=True)
+    if not async_op:
+        wait_unit(bucket)
+
+
+def wait_unit(bucket: Bucket) -> None:
+    """Wait for ``bucket``'s gather, if one is in flight."""
+    if bucket.gather_work is not None:
+        bucket.gather_work.wait()
+        bucket.gather_work = None
+        bucket.gather_src = None
+
+
+def free_unit(bucket: Bucket) -> None:
+    """Drop ``bucket``'s parameter values (this rank keeps its shard): its buffer's
+    storage shrinks to nothing; the parameters, views of it, keep their shapes."""
+    if not bucket.gathered or bucket.param_buffer is None:
+        return
+    wait_unit(bucket)
+    bucket.param_buffer.untyped_storage().resize_(0)
+    bucket.gathered = False
+
+
+class _Saved:
+    """What the pack hook keeps of a tensor that lives in a unit's buffer."""
+
+    __slots__ = ("bucket", "offset", "size", "stride")
+
+    def __init__(self, bucket: Bucket, t: torch.Tensor) -> None:
+        self.bucket = bucket
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = t.stride()
+
+
+class _GatherMode(TorchFunctionMode):
+    def __init__(self, runner: Zero3Runner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        for x in pytree.tree_leaves((args, kwargs)):
+            if isinstance(x, torch.Tensor):
+                found = self.runner.param_bucket.get(id(x))
+                if found is not None:
+                    self.runner.use_forward(*found)
+        return func(*args, **kwargs)
+
+
+class Zero3Runner:
+    """Gathers and frees the units of a stage-3 module's reducers (the module docstring)."""
+
+    def __init__(self, reducers: list[Reducer]) -> None:
+        self.reducers = reducers
+        self.param_bucket: dict[int, tuple[Reducer, Bucket]] = {}
+        self.storage_bucket: dict[int, tuple[Reducer, Bucket]] = {}
+        for r in reducers:
+            for b in r.buckets:
+                if b.param_buffer is None:
+                    raise RuntimeError("internal error: a stage-3 bucket without a buffer")
+                self.storage_bucket[b.param_buffer.untyped_storage()._cdata] = (r, b)
+                for p in b.params:
+                    self.param_bucket[id(p)] = (r, b)
+        self.order: list[Bucket] = []  # units in the order the last forward used them
+        self._seen: list[Bucket] = []
+        self._current: Bucket | None = None
+        self.free_all()
+
+    # -- gathering ----------------------------------------------------------------------
+    def _reducer(self, bucket: Bucket) -> Reducer:
+        return self.storage_bucket[bucket.param_buffer.untyped_storage()._cdata][0]  # type: ignore[union-attr]
+
+    def _prefetch_after(self, bucket: Bucket, step: int) -> None:
+        if bucket in self.order:
+            i = self.order.index(bucket) + step
+            if 0 <= i < len(self.order):
+                nxt = self.order[i]
+                gather_unit(self._reducer(nxt), nxt, async_op=True)
+
+    def use_forward(self, reducer: Reducer, bucket: Bucket) -> None:
+        """A forward call reads ``bucket``'s parameters."""
+        if bucket not in self._seen:
+            self._seen.append(bucket)
+        if bucket is not self._current:
+            if self._current is not None and self._current.unit:  # a block: done
+                free_unit(self._current)
+            if bucket.unit:
+                self._current = bucket
+        if not bucket.gathered:
+            gather_unit(reducer, bucket)
+            self._prefetch_after(bucket, +1)
+        wait_unit(bucket)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        found = self.storage_bucket.get(t.untyped_storage()._cdata)
+        if found is None:
+            return t
+        return _Saved(found[1], t)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        bucket = saved.bucket
+        reducer = self._reducer(bucket)
+        if not bucket.gathered:
+            gather_unit(reducer, bucket)
+            self._prefetch_after(bucket, -1)
+        wait_unit(bucket)
+        return bucket.param_buffer.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Run a forward of the generated code: gather units as they are used, save
+        parameters for backward as references to their unit, free all at the end."""
+        self._seen, self._current = [], None
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    _GatherMode(self):
+                yield
+        finally:
+            self.order = list(self._seen)
+            self.free_all()
+
+    def free_all(self) -> None:
+        for r in self.reducers:
+            for b in r.buckets:
+                free_unit(b)
+
+    def gather_all(self) -> None:
+        for r in self.reducers:
+            for b in r.buckets:
+                gather_unit(r, b)
+
+
+@contextlib.contextmanager
+def gathered(pm: ParallelModule, write: bool = False) -> Iterator[None]:
+    """Inside, every parameter of a stage-3 module holds its values (all units gathered);
+    with ``write``, changes made to them inside are copied into the shards on the way
+    out. Nothing to do for other stages."""
+    runner: Zero3Runner | None = getattr(pm, "_zero3", None)
+    if runner is None:
+        yield
+        return
+    runner.gather_all()
+    try:
+        yield
+        if write:
+            for r in runner.reducers:
+                r.refresh_shards()
+    finally:
+        runner.free_all()
