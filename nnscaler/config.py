@@ -27,7 +27,7 @@ import enum
 import json
 import numbers
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -188,6 +188,8 @@ class ReducerConfig:
         zero_ngroups: ZeRO groups the replicas are split into.
         async_op: overlap the reduction with backward.
         bucket_cap_mb: bucket size in MiB (the default when the config says None).
+        zero_units: stage 3's gathering units, by module path (empty: the repeated
+            blocks).
         zero_stage: 0 (no sharding), 1 (optimizer state), 2 (and gradients), 3 (and
             parameters); None
             follows ``use_zero``; see ``docs/zero.md``.
@@ -198,8 +200,10 @@ class ReducerConfig:
     async_op: bool = False
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     zero_stage: int | None = None
+    zero_units: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "zero_units", tuple(self.zero_units))
         if self.zero_stage is None:  # follows use_zero, as in ComputeConfig
             object.__setattr__(self, "zero_stage", int(self.use_zero))
         if self.use_zero != (self.zero_stage >= 1):
@@ -219,14 +223,15 @@ class ReducerConfig:
                    zero_ngroups=int(options.get("zero_ngroups", 1)),
                    async_op=bool(options.get("use_async_reducer", False)),
                    bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else float(cap),
-                   zero_stage=None if stage is None else int(stage))
+                   zero_stage=None if stage is None else int(stage),
+                   zero_units=tuple(options.get("zero_units", ())))
 
     def as_options(self) -> dict[str, Any]:
         """The reducer options under their ``ComputeConfig`` names (what generated code
         and ``config.json`` spell)."""
         return {"use_zero": self.use_zero, "zero_ngroups": self.zero_ngroups,
                 "use_async_reducer": self.async_op, "reducer_bucket_cap_mb": self.bucket_cap_mb,
-                "zero_stage": self.zero_stage}
+                "zero_stage": self.zero_stage, "zero_units": list(self.zero_units)}
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,15 @@ def _zero_stage(name: str, value: Any) -> None:
         )
 
 
+def _zero_units(name: str, value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+            isinstance(u, str) and u for u in value) or len(set(value)) != len(value):
+        raise ComputeConfigError(
+            f"ComputeConfig.{name} must be a list of distinct module paths (strings such as "
+            f"'gpt.blocks.0'), got {value!r}"
+        )
+
+
 def _mapping(name: str, value: Any) -> None:
     if not isinstance(value, Mapping):
         raise ComputeConfigError(
@@ -365,6 +379,11 @@ class ComputeConfig:
             ``use_zero`` (stage 1 when True, else 0); a stage given decides, and
             ``use_zero`` becomes True for stage 1 or more; ``use_zero=True, zero_stage=0``
             disagree and are refused. The stage in effect is ``reducer.zero_stage``.
+        zero_units: stage 3's gathering units by module path (``["gpt.blocks.0",
+            "gpt.blocks.1"]``): a parameter belongs to the longest one its name starts
+            with, any other to the rest unit. Empty (the default): each repeated block
+            (``gpt.blocks.3``) is a unit. A path that names no module of the model is
+            refused by ``parallelize``, naming the closest ones.
         use_end2end: the module returns its loss first; train with ``train_step``.
         inference_only: generate code for inference only (no gradient reducers).
         constant_folding: kept for nnScaler compatibility (recorded, compared for reuse):
@@ -401,6 +420,7 @@ class ComputeConfig:
     use_zero: bool = field(default=False, metadata=_check(_bool))
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
     zero_stage: int | None = field(default=None, metadata=_check(_zero_stage))
+    zero_units: Sequence[str] = field(default=(), metadata=_check(_zero_units))
     use_end2end: bool = field(default=False, metadata=_check(_bool))
     inference_only: bool = field(default=False, metadata=_check(_bool))
     constant_folding: bool = field(default=True, metadata=_check(_bool))
@@ -424,6 +444,7 @@ class ComputeConfig:
             f.metadata["check"](f.name, getattr(self, f.name))
         if self.reducer_bucket_cap_mb == 0:
             object.__setattr__(self, "reducer_bucket_cap_mb", None)
+        self._settle_zero_stage()
         if self.zero_use_reduce_scatter and (not self.use_zero or self.zero_ngroups != 1):
             raise ComputeConfigError(
                 f"ComputeConfig.zero_use_reduce_scatter only applies with use_zero=True and "
@@ -442,7 +463,12 @@ class ComputeConfig:
                 f"runtime_ngpus={self.runtime_ngpus}, plan_ngpus={self.plan_ngpus}; use a "
                 f"multiple such as {_near_multiples(self.runtime_ngpus, self.plan_ngpus)}"
             )
-        self._settle_zero_stage()
+        object.__setattr__(self, "zero_units", tuple(self.zero_units))
+        if self.zero_units and self.zero_stage != 3:
+            raise ComputeConfigError(
+                f"ComputeConfig.zero_units names the gathering units of ZeRO stage 3, but "
+                f"zero_stage is {self.zero_stage}; set zero_stage=3 or leave zero_units empty"
+            )
         units = self.runtime_ngpus if self.plan_ngpus == AUTO else self.scale_units
         if not self.use_zero and self.zero_ngroups != 1:
             raise ComputeConfigError(
@@ -484,7 +510,8 @@ class ComputeConfig:
         """The gradient reducer's options, with the default bucket size filled in."""
         return ReducerConfig(use_zero=self.use_zero, zero_ngroups=self.zero_ngroups,
                              async_op=self.use_async_reducer, bucket_cap_mb=self.bucket_cap_mb,
-                             zero_stage=self.zero_stage)  # None: follows use_zero
+                             zero_stage=self.zero_stage,  # None: follows use_zero
+                             zero_units=tuple(self.zero_units))
 
     @property
     def tracing(self) -> TracingConfig:

@@ -31,6 +31,7 @@ SURFACE = [
     ("use_zero", False),
     ("zero_ngroups", 1),
     ("zero_stage", None),
+    ("zero_units", ()),
     ("use_end2end", False),
     ("inference_only", False),
     ("constant_folding", True),
@@ -103,6 +104,7 @@ def test_typed_parts_are_defaulted_once():
     ({"zero_stage": 1}, True, 1),
     ({"zero_stage": 2}, True, 2),
     ({"use_zero": True, "zero_stage": 2, "zero_ngroups": 2}, True, 2),
+    ({"zero_stage": 3, "zero_units": ["gpt.blocks.0", "gpt.blocks.1"]}, True, 3),
 ])
 def test_zero_stage_and_use_zero_are_one_answer(kwargs, use_zero, stage):
     cfg = ComputeConfig(1, 4, **kwargs)
@@ -194,6 +196,10 @@ def test_json_round_trip_is_stable():
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "zero_ngroups": 2}, "only applies with use_zero"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2, 3\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": True}, "zero_stage must be one of"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 2, "zero_units": ["a"]},
+         "zero_units names the gathering units of ZeRO stage 3, but zero_stage is 2"),
+        ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 3, "zero_units": "a.b"},
+         "zero_units must be a list of distinct module paths"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "use_zero": True, "zero_ngroups": 3},
          r"divide the number of scale units.*\[1, 2, 4\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 1, "trace_strategy": "cuda"}, "'real', 'meta'"),

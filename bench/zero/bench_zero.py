@@ -4,20 +4,21 @@ Runs ``--world`` CPU processes (gloo, OMP_NUM_THREADS=1) on a 24-layer ``GPTWith
 (d_model 128, 4 heads, seq 64, vocab 1024, batch 4 per rank), Adam, ``dp`` policy
 (``plan_ngpus=1``), 1 MiB reducer buckets. Three parts:
 
-1. **Memory by count** (exact): for ZeRO stage 0, 1 and 2, after backward of the second
-   step (the gradients' high point) and after its ``step()``, the bytes per rank of the
-   parameters, the gradients (stage 2: the fp32 shard gradients plus the packed buckets
-   still reducing) and the optimizer state (Adam's moments plus, with ZeRO, the fp32
-   master shards the optimizer updates). Ratios to stage 0.
+1. **Memory by count** (exact): for ZeRO stage 0, 1, 2 and 3, after backward of the
+   second step (the gradients' high point) and after its ``step()``, the bytes per rank
+   of the parameters (stage 3: what the units hold outside forward and backward, none),
+   the gradients (stage 2 and 3: the fp32 shard gradients plus the packed buckets still
+   reducing) and the optimizer state (Adam's moments plus, with ZeRO, the fp32 master
+   shards the optimizer updates, which are stage 3's parameters). Ratios to stage 0.
 2. **Step time**: ``ddp`` (``DistributedDataParallel``), ``zero0`` (nnscaler ``dp``),
-   ``zero2`` (stage 2) and ``fsdp2`` (``fully_shard`` on every block, then on the model),
-   interleaved in the same processes (`time_modes`), a step as slow as its slowest rank;
-   ratios per iteration to ``ddp`` and to ``fsdp2``.
+   ``zero2``, ``zero3`` and ``fsdp2`` (``fully_shard`` on every block, then on the
+   model), interleaved in the same processes (`time_modes`), a step as slow as its
+   slowest rank; ratios per iteration to ``ddp`` and to ``fsdp2``.
 3. **Peak resident memory of a step**: each mode in fresh processes; after building the
    model and optimizer and one warm-up step, the peak RSS is reset
    (``/proc/self/clear_refs``) and read after ``--steps-peak`` steps, minus the RSS the
    process had before building anything (what the model, gradients, optimizer state and
-   activations add). Ratio of ``zero2`` to ``fsdp2``.
+   activations add). Ratios of ``zero2`` and ``zero3`` to ``fsdp2``.
 
 Usage::
 
@@ -49,8 +50,8 @@ CONFIG = GPTConfig(vocab_size=1024, n_layer=24, n_head=4, d_model=128, seq_len=6
 BATCH = 4
 LR = 1e-4
 CAP_MB = 1.0
-STAGES = (0, 1, 2)
-TIMED = ("ddp", "zero0", "zero2", "fsdp2")
+STAGES = (0, 1, 2, 3)
+TIMED = ("ddp", "zero0", "zero2", "zero3", "fsdp2")
 
 
 def _model() -> GPTWithLoss:
@@ -172,7 +173,7 @@ def main() -> None:
         memory = launch(_memory, args.world, gen_savedir)
         timing = launch(_timing, args.world, args.steps, args.warmup, gen_savedir)
         peaks = {mode: max(launch(_peak, args.world, mode, args.steps_peak, gen_savedir))
-                 for mode in ("zero2", "fsdp2", "ddp", "zero0")}
+                 for mode in TIMED}
     print(f"GPTWithLoss {CONFIG}, batch {BATCH} per rank, Adam, {args.world} processes")
     print(f"{'mode':>6} | {'params':>9} | {'grads':>9} | {'optimizer':>9} | {'total':>9} | "
           f"/ stage 0 (worst rank)")
@@ -194,8 +195,9 @@ def main() -> None:
               f"{vs_fsdp[mode]['per_step_ratio_to_fsdp2']:7.3f} | {peaks[mode] / mib:7.1f} MiB")
     report["time"] = {m: {**vs_ddp[m], **vs_fsdp[m]} for m in TIMED}
     report["peak_bytes"] = peaks
-    report["peak_zero2_over_fsdp2"] = _ratio(peaks["zero2"], peaks["fsdp2"])
-    print(f"peak, zero2 / fsdp2: {report['peak_zero2_over_fsdp2']}")
+    for mode in ("zero2", "zero3"):
+        report[f"peak_{mode}_over_fsdp2"] = _ratio(peaks[mode], peaks["fsdp2"])
+        print(f"peak, {mode} / fsdp2: {report[f'peak_{mode}_over_fsdp2']}")
     print(json.dumps(report))
 
 

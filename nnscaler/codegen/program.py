@@ -58,6 +58,7 @@ from nnscaler.graph.graph import as_irgraph
 from nnscaler.ir import FullTensor, Graph, Op, SubTensor, TensorKind, tensors_in
 from nnscaler.layout import Layout
 from nnscaler.layout import plan as make_plan
+from nnscaler.runtime.zero3 import check_units
 
 
 def program_config(compute_config: Any, plan_ngpus: int, runtime_ngpus: int) -> ComputeConfig:
@@ -210,6 +211,8 @@ def build_program(
         origin=_origin(origin, config),
     )
     program.process_groups, program.reducer_groups = process_groups(program)
+    check_units(config.reducer.zero_units, (n for f in program.leaves for n in f.names
+                                            if f.kind is TensorKind.PARAMETER))
     return program
 
 

@@ -300,7 +300,7 @@ class ParallelModule(torch.nn.Module):
             p = getattr(self, attr)
             if meta.kind == "parameter" and p.requires_grad:
                 by_holders.setdefault(meta.holders, []).append(p)
-                units.setdefault(unit_of(meta.orig_name), []).append(p)
+                units.setdefault(unit_of(meta.orig_name, cfg.zero_units), []).append(p)
         distributed = dist.is_available() and dist.is_initialized()
         for holders in self.reducer_groups:
             holders = tuple(holders)

@@ -4,7 +4,8 @@ With ``zero_stage=3`` each reducer keeps, per *gathering unit*, one flat paramet
 buffer whose storage is empty except while the unit is in use; this rank holds only its
 fp32 shard (the tensor the optimizer steps). A unit is a repeated block (the parameters
 under one layer path, ``gpt.blocks.3``: what `nnscaler.graph.blocks.layer_path` calls a
-layer) or, for every other parameter, the *rest* unit.
+layer) or, for every other parameter, the *rest* unit; ``ComputeConfig.zero_units`` names
+the units by module path instead.
 
 `Zero3Runner` runs a forward of the generated code under two hooks:
 
@@ -26,7 +27,8 @@ for a while (``state_dict()`` and ``load_state_dict()`` use it). See ``docs/zero
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import difflib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,17 +36,41 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from nnscaler.config import ComputeConfigError
+
 if TYPE_CHECKING:
     from nnscaler.runtime.module import ParallelModule
     from nnscaler.runtime.reducer import Bucket, Reducer
 
-__all__ = ["Zero3Runner", "free_unit", "gather_unit", "gathered", "unit_of", "wait_unit"]
+__all__ = ["Zero3Runner", "check_units", "free_unit", "gather_unit", "gathered", "unit_of",
+           "wait_unit"]
 
 
-def unit_of(name: str) -> str:
-    """The gathering unit of the parameter ``name``: its layer path (up to and including
-    the first numeric part, ``gpt.blocks.3.attn.q_proj.weight`` -> ``gpt.blocks.3``), or
+def check_units(units: Sequence[str], param_names: Iterable[str]) -> None:
+    """Every unit must be a module path of the model (a proper prefix of a parameter's
+    name); otherwise a `ComputeConfigError` names the closest module paths."""
+    modules: set[str] = set()
+    for name in param_names:
+        parts = name.split(".")
+        modules.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    for unit in units:
+        if unit not in modules:
+            close = difflib.get_close_matches(unit, sorted(modules), n=3, cutoff=0.0)
+            raise ComputeConfigError(
+                f"ComputeConfig.zero_units names {unit!r}, which is no module of the model "
+                f"that holds parameters; the closest are {close}. Name modules by their "
+                f"path in the model (as in model.named_modules())"
+            )
+
+
+def unit_of(name: str, units: Sequence[str] = ()) -> str:
+    """The gathering unit of the parameter ``name``: with ``units`` (module paths), the
+    longest that ``name`` lies under; without, its layer path (up to and including the
+    first numeric part, ``gpt.blocks.3.attn.q_proj.weight`` -> ``gpt.blocks.3``); else
     ``''``, the rest unit."""
+    if units:
+        under = [u for u in units if name.startswith(u + ".")]
+        return max(under, key=len) if under else ""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():

@@ -152,16 +152,18 @@ def test_zero_shards_of_a_tp_dp_plan_merge(tmp_path):
     assert os.listdir(tmp_path)  # generated code lives there
 
 
-def _train_zero2(rank, world, directory):
-    pm = parallelize_net("tp", 2, 4, directory, zero_stage=2)
+def _train_zero2(rank, world, directory, stage=2):
+    pm = parallelize_net("tp", 2, 4, directory, zero_stage=stage)
     opt = nnscaler.build_optimizer(pm, torch.optim.Adam, **ADAM)
     losses = run_parallel(pm, opt, DATA2, rank)
     return losses, pm.state_dict(), opt.state_dict()
 
 
-def test_zero_stage2_shards_of_a_tp_dp_plan_merge(tmp_path):
-    """Stage 2 saves what stage 1 saves (whole pieces, the optimizer's shards)."""
-    results = run_distributed(_train_zero2, 4, str(tmp_path))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stage2_and_3_shards_of_a_tp_dp_plan_merge(tmp_path, stage):
+    """Stages 2 and 3 save what stage 1 saves (the pieces, stage 3 gathering them for
+    the save, and the optimizer's shards)."""
+    results = run_distributed(_train_zero2, 4, str(tmp_path), stage)
     ref_losses, model, opt = reference(DATA2)
     for rank, (losses, _, _) in enumerate(results):
         want = [[row[rank // 2]] for row in ref_losses]

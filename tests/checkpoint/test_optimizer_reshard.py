@@ -5,7 +5,8 @@ Two saved plans on 2 processes, each trained 2 steps with Adam (2 batches a step
 (one scale unit, the batches as micro-batches) and ``dp`` with ZeRO (one batch per scale
 unit), and ``dp`` with ZeRO stage 2. Each is loaded into other plans on 2 processes
 (``tp`` into ``pp``, into ``dp`` + ZeRO and into stage 2, ZeRO's into ``tp``, ZeRO's
-deduped files into ``pp``, stage 2's into ``tp`` and its deduped files into stage 1):
+deduped files into ``pp``, stage 2's into ``tp`` and its deduped files into stage 1, stage
+3's into ``tp`` and its deduped files into stage 2, ``tp`` into stage 3):
 module and optimizer state
 equal, exactly, what ``merge_state_dicts`` + ``load_merged_state_dicts`` give, and one
 more step gives the losses, weights and optimizer state of one more step on the saved
@@ -40,6 +41,7 @@ PLANS = {  # name -> (policy, plan_ngpus, parallelize_net's options, micro-batch
     "pp": ("pp", 2, {"end2end": True, "pas_config": {"pipeline_nmicros": 2}}, True),
     "zero": ("dp", 1, {"use_zero": True}, False),
     "zero2": ("dp", 1, {"zero_stage": 2}, False),  # gradients sharded too: same files
+    "zero3": ("dp", 1, {"zero_stage": 3}, False),  # parameters too: gathered to save
 }
 
 
@@ -72,7 +74,7 @@ def saved(tmp_path_factory):
     """Both saved plans' files, and one more step on each (losses, merged state)."""
     directory = str(tmp_path_factory.mktemp("optreshard"))
     out = {}
-    for name in ("tp", "zero", "zero2"):
+    for name in ("tp", "zero", "zero2", "zero3"):
         results = run_distributed(_train_and_save, 2, directory, name)
         merged, merged_opt = ck.merge_state_dicts([r[1] for r in results],
                                                   [r[2] for r in results])
@@ -115,7 +117,9 @@ def _reshard(rank, world, directory, saved, target):
 
 @pytest.mark.parametrize("saved_plan,target", [("tp", "pp"), ("tp", "zero"), ("zero", "tp"),
                                                ("zero-dedup", "pp"), ("zero2", "tp"),
-                                               ("tp", "zero2"), ("zero2-dedup", "zero")])
+                                               ("tp", "zero2"), ("zero2-dedup", "zero"),
+                                               ("zero3", "tp"), ("tp", "zero3"),
+                                               ("zero3-dedup", "zero2")])
 def test_resharded_optimizer_equals_the_merge_path_and_continues(saved, saved_plan, target):
     directory, runs = saved
     results = run_distributed(_reshard, 2, directory, saved_plan, target)

@@ -86,22 +86,23 @@ def test_resume_on_another_world_size_or_plan(tmp_path, target):
     torch.testing.assert_close(resumed[0]["losses"], full["losses"][5:], rtol=1e-5, atol=0)
 
 
-def _zero2(rank, world, tmp):
+def _zero2(rank, world, tmp, stage):
     from nnscaler import ComputeConfig
 
-    tmp = Path(tmp)
-    cfg = ComputeConfig(1, world, use_end2end=True, zero_stage=2)
-    kw = {"world": world, "compute_config": cfg, "instance_name": "zero2"}
+    tmp = Path(tmp) / f"stage{stage}"
+    cfg = ComputeConfig(1, world, use_end2end=True, zero_stage=stage)
+    kw = {"world": world, "compute_config": cfg, "instance_name": f"zero{stage}"}
     full = run_trainer(_args(tmp, "full", 8, "sharded", **kw))
     run_trainer(_args(tmp, "ck", 5, "sharded", **kw))
     resumed = run_trainer(_args(tmp, "ck", 8, "sharded", "last", **kw))
     return full, resumed
 
 
-def test_zero_stage2_resume_is_bitwise(tmp_path):
-    """ZeRO stage 2 under the Trainer: a resumed run equals the uninterrupted one, and the
-    merged weights equal a plain data-parallel run's (rtol 1e-5)."""
-    results = run_distributed(_zero2, 2, str(tmp_path))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stage2_and_3_resume_is_bitwise(tmp_path, stage):
+    """ZeRO stages 2 and 3 under the Trainer: a resumed run equals the uninterrupted one,
+    and the merged weights equal a plain data-parallel run's (rtol 1e-5)."""
+    results = run_distributed(_zero2, 2, str(tmp_path), stage)
     full = merged_weights([r[0] for r in results])
     resumed = [r[1] for r in results]
     assert resumed[0]["step"] == 8

@@ -118,6 +118,7 @@ class Case:
     steps: int = 3
     zero_stage: int | None = None
     zero_ngroups: int = 1
+    zero_units: tuple[str, ...] = ()
 
     @property
     def units(self) -> int:
@@ -130,6 +131,8 @@ class Case:
             flags.append(f"zero{self.zero_stage}")
         if self.zero_ngroups != 1:
             flags.append(f"ng{self.zero_ngroups}")
+        if self.zero_units:
+            flags.append(f"units{len(self.zero_units)}")
         return (f"{self.kind}-{self.policy}-p{self.plan_ngpus}r{self.runtime_ngpus}"
                 + ("-" + "-".join(flags) if flags else "") + f"-mb{self.micro}")
 
@@ -139,7 +142,7 @@ class Case:
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus,
                              use_zero=self.use_zero, use_async_reducer=self.use_async_reducer,
                              use_end2end=self.end2end, zero_stage=self.zero_stage,
-                             zero_ngroups=self.zero_ngroups)
+                             zero_ngroups=self.zero_ngroups, zero_units=self.zero_units)
 
 
 def train_parallel(case: Case, rank: int, gen_savedir: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ CASES = [
     Case("gpt", "dp", 1, 4, zero_stage=3, zero_ngroups=2),
     Case("gpt", "tp", 2, 4, zero_stage=3, end2end=True, micro=2),
     Case("gpt", "dp", 1, 4, zero_stage=3, end2end=True),
+    Case("gpt", "dp", 1, 2, zero_stage=3, zero_units=("gpt.blocks", "gpt.wte")),
 ]
 
 

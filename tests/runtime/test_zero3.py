@@ -1,0 +1,78 @@
+"""ZeRO stage 3 on one process: the gathering units, how many are gathered at a time, and
+the unit names a user gives (the parity runs are in tests/parallel/test_zero_parity.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from nnscaler import ComputeConfig, ComputeConfigError, build_optimizer, parallelize
+from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
+from nnscaler.runtime import zero3
+from nnscaler.runtime.zero3 import check_units, gathered, unit_of
+
+CONFIG = GPTConfig(vocab_size=32, n_layer=4, n_head=2, d_model=16, seq_len=8)
+
+
+def test_units_are_layer_paths_or_the_named_modules():
+    assert unit_of("gpt.blocks.3.attn.q_proj.weight") == "gpt.blocks.3"
+    assert unit_of("model.layers.10.mlp.up.weight") == "model.layers.10"
+    assert unit_of("gpt.wte.weight") == "" and unit_of("bias") == ""
+    named = ("gpt.blocks", "gpt.blocks.1", "gpt.wte")
+    assert unit_of("gpt.blocks.1.ln_1.weight", named) == "gpt.blocks.1"  # the longest
+    assert unit_of("gpt.blocks.2.ln_1.weight", named) == "gpt.blocks"
+    assert unit_of("gpt.ln_f.weight", named) == ""
+    assert unit_of("gpt.wtex.weight", ("gpt.wte",)) == ""  # a path, not a string prefix
+
+
+def test_a_unit_naming_no_module_names_the_closest():
+    names = ["gpt.blocks.0.attn.q_proj.weight", "gpt.wte.weight"]
+    check_units(["gpt.blocks.0.attn", "gpt"], names)
+    with pytest.raises(ComputeConfigError,
+                       match=r"names 'gpt.block.0', which is no module.*'gpt.blocks.0'"):
+        check_units(["gpt.block.0"], names)
+    with pytest.raises(ComputeConfigError, match="no module"):
+        check_units(["gpt.wte.weight"], names)  # a parameter, not a module
+
+
+def _parallel(tmp_path, **kw):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return parallelize(GPTWithLoss(CONFIG), {"batch": make_batch(CONFIG, 2)}, "dp",
+                           ComputeConfig(1, 1, zero_stage=3, **kw), gen_savedir=str(tmp_path),
+                           instance_name="z3" + "-".join(kw.get("zero_units", ())))
+
+
+def test_parallelize_refuses_a_unit_that_is_no_module(tmp_path):
+    with pytest.raises(ComputeConfigError, match=r"'gpt.blok.1'.*closest.*'gpt.blocks.1'"):
+        _parallel(tmp_path, zero_units=["gpt.blok.1"])
+
+
+def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
+    """Forward and backward of a 4-block GPT: at most the block in use, the one
+    prefetched and the rest unit hold values; afterwards none."""
+    pm = _parallel(tmp_path)
+    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+    buckets = [b for r in pm.reducers for b in r.buckets]
+    assert sorted(b.unit for b in buckets) == ["", *(f"gpt.blocks.{i}" for i in range(4))]
+    most = []
+    real = zero3.gather_unit
+
+    def counting(reducer, bucket, async_op=False):
+        real(reducer, bucket, async_op)
+        most.append(sum(b.gathered for b in buckets))
+
+    monkeypatch.setattr(zero3, "gather_unit", counting)
+    for _ in range(2):  # the second forward prefetches in the first one's order
+        pm(make_batch(CONFIG, 2, seed=1)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert not any(b.gathered for b in buckets)
+        assert all(b.param_buffer.untyped_storage().nbytes() == 0 for b in buckets)
+    assert len(most) > 2 * len(buckets) and max(most) <= 3, most
+    with gathered(pm):
+        assert all(p.untyped_storage().nbytes() > 0 for p in pm.parameters())
+    assert pm.state_dict()["gpt_wte_weight"].abs().sum() > 0  # saved values, not freed
