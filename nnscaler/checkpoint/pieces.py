@@ -18,6 +18,7 @@ reads only the boxes of its own pieces, one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ from nnscaler.runtime.state import (
     sub_shape,
     unheld_names,
 )
+from nnscaler.runtime.zero3 import gathered
 
 __all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
 
@@ -416,7 +418,9 @@ def load_into(module: torch.nn.Module, source: Any, to_source: Callable[[str], s
     except CheckpointError as e:
         error = e
     agree(error, what)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for _, pm in parallel_modules(module):  # ZeRO stage 3: whole parameters to fill
+            stack.enter_context(gathered(pm, write=True))
         for job in jobs:
             job()
     for _, pm in parallel_modules(module):

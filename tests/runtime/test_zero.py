@@ -113,7 +113,7 @@ def test_stage_and_zero_must_agree():
     with pytest.raises(ValueError, match="zero_stage must be 0 without zero"):
         Reducer(make_mlp().parameters(), [0], zero=False, zero_stage=2)
     with pytest.raises(ValueError, match="zero=True, zero_stage=2"):
-        Reducer(make_mlp().parameters(), [0], zero=True, zero_stage=3)
+        Reducer(make_mlp().parameters(), [0], zero=True, zero_stage=4)
 
 
 def test_stage2_single_rank_keeps_no_full_gradient():
