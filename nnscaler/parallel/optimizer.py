@@ -189,6 +189,7 @@ def build_optimizer(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer_fn must return a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    _check_elementwise(optimizer, pms, reducer)
     state = _OptimizerState(pms, reducer, copies)
     _patch(optimizer, state)
     _reset_sync_on_new_grads(module, state)
@@ -199,6 +200,27 @@ def build_optimizer(
 
         track_optimizer(optimizer, module)
     return optimizer
+
+
+#: torch optimizers whose step needs whole tensors (a factored or matrix state, a line
+#: search over all parameters): wrong on ZeRO's flat shards.
+WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in ("Adafactor", "LBFGS", "Muon")
+                                if hasattr(torch.optim, n))
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer, pms: Sequence[ParallelModule],
+                       reducer: Any) -> None:
+    """ZeRO hands the optimizer flat shards cut across parameters: refuse an optimizer
+    known to need whole tensors."""
+    reducers = [r for pm in pms for r in pm.reducers] + ([reducer] if reducer else [])
+    stages = sorted({r.stage for r in reducers if r.zero})
+    if stages and isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise OptimizerError(
+            f"{type(optimizer).__name__} needs whole tensors in its step (a factored or "
+            f"matrix state, or a search over all parameters), but ZeRO stage {stages[-1]} "
+            f"gives the optimizer flat shards of this rank's share of several parameters; "
+            f"use an elementwise optimizer (SGD, Adam, AdamW, ...) or zero_stage=0"
+        )
 
 
 def _trainable_parallel_modules(module: torch.nn.Module, optimizer_fn: Any) -> list[ParallelModule]:

@@ -76,3 +76,18 @@ def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
     with gathered(pm):
         assert all(p.untyped_storage().nbytes() > 0 for p in pm.parameters())
     assert pm.state_dict()["gpt_wte_weight"].abs().sum() > 0  # saved values, not freed
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_needing_whole_tensors_is_refused(tmp_path, stage):
+    from nnscaler.parallel.optimizer import OptimizerError
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(GPTWithLoss(CONFIG), {"batch": make_batch(CONFIG, 2)}, "dp",
+                         ComputeConfig(1, 1, zero_stage=stage), gen_savedir=str(tmp_path))
+    with pytest.raises(OptimizerError, match=rf"Adafactor needs whole tensors.*ZeRO stage "
+                                             rf"{stage}.*elementwise optimizer"):
+        build_optimizer(pm, torch.optim.Adafactor)
+    build_optimizer(pm, torch.optim.SGD, lr=0.1)  # elementwise: fine
