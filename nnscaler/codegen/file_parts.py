@@ -16,6 +16,8 @@ from nnscaler.codegen.literals import literal
 from nnscaler.codegen.program_types import AdapterSpec, Program
 from nnscaler.codegen.wrap import WIDTH as _WIDTH
 from nnscaler.codegen.wrap import wrap_lines
+from nnscaler.ir import TensorKind
+from nnscaler.runtime.zero3 import unit_of
 
 __all__ = ["DeviceCode", "Wrapped", "header", "program_attributes"]
 
@@ -42,6 +44,8 @@ def header(p: Program, rank: int, where: str) -> list[str]:
         config.append(f"compile={p.compile_config!r}")
     config += [f"{k}={v!r}" for k, v in origin.get("config", {}).items()]
     paragraphs.append(f"Compute config: {', '.join(config)}.")
+    if p.reducer_config.get("zero_stage", 0) >= 3:
+        paragraphs.append(_zero3_held(p, rank))
     if origin.get("policy"):
         how = ("Regenerate: call nnscaler.parallelize again with the same model, policy "
                "and ComputeConfig (it rewrites this file when the model or the plan "
@@ -58,6 +62,23 @@ def header(p: Program, rank: int, where: str) -> list[str]:
                                break_long_words=False, break_on_hyphens=False)
     lines[0] = '"""' + lines[0]
     return [*lines, '"""']
+
+
+def _zero3_held(p: Program, rank: int) -> str:
+    """What a ZeRO stage-3 rank holds: its shard of each parameter piece, by unit."""
+    device, units = rank % p.plan_ngpus, p.reducer_config.get("zero_units", ())
+    ngroups = p.reducer_config.get("zero_ngroups", 1)
+    by_unit: dict[str, list[str]] = {}
+    shards: set[int] = set()
+    for leaf in p.leaves.values():
+        holders = p.leaf_holders(leaf, device)
+        if leaf.full.kind is TensorKind.PARAMETER and leaf.full.requires_grad and holders:
+            by_unit.setdefault(unit_of(leaf.full.names[0], units), []).append(leaf.name)
+            shards.add(max(1, len(holders) // ngroups))
+    parts = [f"{unit or 'the rest'}: {', '.join(names)}" for unit, names in by_unit.items()]
+    return (f"ZeRO stage 3: this rank holds 1/{'/'.join(map(str, sorted(shards)))} (its "
+            f"shard) of these parameters, gathered one unit at a time while forward and "
+            f"backward use them (nnscaler.runtime.zero3), by unit: {'; '.join(parts)}.")
 
 
 def program_attributes(p: Program) -> Wrapped:

@@ -51,6 +51,18 @@ def test_parallelize_refuses_a_unit_that_is_no_module(tmp_path):
         _parallel(tmp_path, zero_units=["gpt.blok.1"])
 
 
+def test_the_generated_file_says_what_the_rank_holds(tmp_path):
+    import inspect
+
+    pm = _parallel(tmp_path)
+    text = " ".join(inspect.getsource(type(pm)).split())  # unwrapped
+    head = " ".join(open(inspect.getfile(type(pm))).read().split('"""')[1].split())
+    assert "ZeRO stage 3: this rank holds 1/1 (its shard) of these parameters" in head
+    assert "gpt.blocks.0: gpt_blocks_0_ln_1_weight," in head
+    assert "the rest: gpt_wte_weight" in head
+    assert "zero_stage" in text
+
+
 def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
     """Forward and backward of a 4-block GPT: at most the block in use, the one
     prefetched and the rest unit hold values; afterwards none."""
