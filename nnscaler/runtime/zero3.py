@@ -160,7 +160,8 @@ class Zero3Runner:
                     self.param_bucket[id(p)] = (r, b)
         self.order: list[Bucket] = []  # units in the order the last forward used them
         self._seen: list[Bucket] = []
-        self._current: Bucket | None = None
+        self._current: Bucket | None = None  # the block forward is in
+        self._backward_at: Bucket | None = None  # the block backward is in
         self.free_all()
 
     # -- gathering ----------------------------------------------------------------------
@@ -178,14 +179,13 @@ class Zero3Runner:
         """A forward call reads ``bucket``'s parameters."""
         if bucket not in self._seen:
             self._seen.append(bucket)
-        if bucket is not self._current:
-            if self._current is not None and self._current.unit:  # a block: done
+        if bucket is not self._current and bucket.unit:  # forward moves to another block
+            if self._current is not None:
                 free_unit(self._current)
-            if bucket.unit:
-                self._current = bucket
-        if not bucket.gathered:
+            self._current = bucket
             gather_unit(reducer, bucket)
             self._prefetch_after(bucket, +1)
+        gather_unit(reducer, bucket)  # a no-op when gathered (or being gathered)
         wait_unit(bucket)
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -199,9 +199,11 @@ class Zero3Runner:
             return saved
         bucket = saved.bucket
         reducer = self._reducer(bucket)
-        if not bucket.gathered:
+        if bucket is not self._backward_at and bucket.unit:  # backward reached a block
+            self._backward_at = bucket
             gather_unit(reducer, bucket)
             self._prefetch_after(bucket, -1)
+        gather_unit(reducer, bucket)
         wait_unit(bucket)
         return bucket.param_buffer.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
@@ -209,7 +211,7 @@ class Zero3Runner:
     def forward(self) -> Iterator[None]:
         """Run a forward of the generated code: gather units as they are used, save
         parameters for backward as references to their unit, free all at the end."""
-        self._seen, self._current = [], None
+        self._seen, self._current, self._backward_at = [], None, None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     _GatherMode(self):

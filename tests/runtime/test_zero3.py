@@ -70,21 +70,29 @@ def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
     opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
     buckets = [b for r in pm.reducers for b in r.buckets]
     assert sorted(b.unit for b in buckets) == ["", *(f"gpt.blocks.{i}" for i in range(4))]
-    most = []
+    most, prefetched = [], []
     real = zero3.gather_unit
 
     def counting(reducer, bucket, async_op=False):
+        if async_op and not bucket.gathered:
+            prefetched.append(bucket.unit)
         real(reducer, bucket, async_op)
         most.append(sum(b.gathered for b in buckets))
 
     monkeypatch.setattr(zero3, "gather_unit", counting)
-    for _ in range(2):  # the second forward prefetches in the first one's order
+    for step in range(2):  # the second forward prefetches in the first one's order
         pm(make_batch(CONFIG, 2, seed=1)).backward()
+        if step == 0:
+            prefetched.clear()
         opt.step()
         opt.zero_grad()
         assert not any(b.gathered for b in buckets)
         assert all(b.param_buffer.untyped_storage().nbytes() == 0 for b in buckets)
     assert len(most) > 2 * len(buckets) and max(most) <= 3, most
+    blocks = [f"gpt.blocks.{i}" for i in range(4)]
+    # every block but the first is prefetched in forward, every block but the last in
+    # backward (the rest unit comes first in forward: nothing prefetches it)
+    assert sorted(prefetched) == sorted(blocks[1:] + blocks[:-1]), prefetched
     with gathered(pm):
         assert all(p.untyped_storage().nbytes() > 0 for p in pm.parameters())
     assert pm.state_dict()["gpt_wte_weight"].abs().sum() > 0  # saved values, not freed
