@@ -188,11 +188,8 @@ class ReducerConfig:
         zero_ngroups: ZeRO groups the replicas are split into.
         async_op: overlap the reduction with backward.
         bucket_cap_mb: bucket size in MiB (the default when the config says None).
-        zero_units: stage 3's gathering units, by module path (empty: the repeated
-            blocks).
-        zero_stage: 0 (no sharding), 1 (optimizer state), 2 (and gradients), 3 (and
-            parameters); None
-            follows ``use_zero``; see ``docs/zero.md``.
+        zero_units: stage 3's gathering units, by module path (empty: the blocks).
+        zero_stage: 0 to 3 (``docs/zero.md``); None follows ``use_zero``.
     """
 
     use_zero: bool = False
@@ -207,19 +204,15 @@ class ReducerConfig:
         if self.zero_stage is None:  # follows use_zero, as in ComputeConfig
             object.__setattr__(self, "zero_stage", int(self.use_zero))
         if self.use_zero != (self.zero_stage >= 1):
-            raise ComputeConfigError(
-                f"ReducerConfig: use_zero={self.use_zero} disagrees with "
-                f"zero_stage={self.zero_stage}; use_zero is True exactly for stage 1 or more"
-            )
+            raise ComputeConfigError(f"ReducerConfig: use_zero={self.use_zero} disagrees with "
+                                     f"zero_stage={self.zero_stage}; set both or one")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ReducerConfig:
         """The inverse of `as_options` (a generated class's ``reducer_config``);
         missing keys and a None bucket size take the defaults."""
-        cap = options.get("reducer_bucket_cap_mb")
-        use_zero = bool(options.get("use_zero", False))
-        stage = options.get("zero_stage")
-        return cls(use_zero=use_zero,
+        cap, stage = options.get("reducer_bucket_cap_mb"), options.get("zero_stage")
+        return cls(use_zero=bool(options.get("use_zero", False)),
                    zero_ngroups=int(options.get("zero_ngroups", 1)),
                    async_op=bool(options.get("use_async_reducer", False)),
                    bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else float(cap),
@@ -293,26 +286,21 @@ def _bucket_cap(name: str, value: Any) -> None:
         )
 
 
-#: The ZeRO stages ``ComputeConfig.zero_stage`` accepts (``docs/zero.md``).
-ZERO_STAGES = (0, 1, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)  #: what ``ComputeConfig.zero_stage`` accepts (docs/zero.md)
 
 
 def _zero_stage(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or value not in ZERO_STAGES):
-        raise ComputeConfigError(
-            f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or None (follow "
-            f"use_zero), got {value!r}: 0 shards nothing, 1 the optimizer state, 2 the "
-            f"gradients too, 3 the parameters too"
-        )
+        raise ComputeConfigError(f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or "
+                                 f"None (follow use_zero), got {value!r}: 0 shards nothing, 1 "
+                                 f"the optimizer state, 2 the gradients too, 3 the parameters")
 
 
 def _zero_units(name: str, value: Any) -> None:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
             isinstance(u, str) and u for u in value) or len(set(value)) != len(value):
-        raise ComputeConfigError(
-            f"ComputeConfig.{name} must be a list of distinct module paths (strings such as "
-            f"'gpt.blocks.0'), got {value!r}"
-        )
+        raise ComputeConfigError(f"ComputeConfig.{name} must be a list of distinct module "
+                                 f"paths (strings such as 'gpt.blocks.0'), got {value!r}")
 
 
 def _mapping(name: str, value: Any) -> None:
@@ -373,17 +361,9 @@ class ComputeConfig:
         use_zero: shard optimizer state (ZeRO stage 1) over the data-parallel replicas.
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
-        zero_stage: how much is sharded over the replicas: 0 nothing, 1 the optimizer
-            state, 2 the gradients too, 3 the parameters too, gathered one block at a
-            time (``docs/zero.md``). None (the default) follows
-            ``use_zero`` (stage 1 when True, else 0); a stage given decides, and
-            ``use_zero`` becomes True for stage 1 or more; ``use_zero=True, zero_stage=0``
-            disagree and are refused. The stage in effect is ``reducer.zero_stage``.
-        zero_units: stage 3's gathering units by module path (``["gpt.blocks.0",
-            "gpt.blocks.1"]``): a parameter belongs to the longest one its name starts
-            with, any other to the rest unit. Empty (the default): each repeated block
-            (``gpt.blocks.3``) is a unit. A path that names no module of the model is
-            refused by ``parallelize``, naming the closest ones.
+        zero_stage: 0 to 3, what is sharded (``docs/zero.md``); None follows ``use_zero``;
+            a stage given decides (``use_zero=True, zero_stage=0`` is refused).
+        zero_units: stage 3's gathering units by module path (``docs/zero.md``).
         use_end2end: the module returns its loss first; train with ``train_step``.
         inference_only: generate code for inference only (no gradient reducers).
         constant_folding: kept for nnScaler compatibility (recorded, compared for reuse):
@@ -465,10 +445,8 @@ class ComputeConfig:
             )
         object.__setattr__(self, "zero_units", tuple(self.zero_units))
         if self.zero_units and self.zero_stage != 3:
-            raise ComputeConfigError(
-                f"ComputeConfig.zero_units names the gathering units of ZeRO stage 3, but "
-                f"zero_stage is {self.zero_stage}; set zero_stage=3 or leave zero_units empty"
-            )
+            raise ComputeConfigError(f"ComputeConfig.zero_units names ZeRO stage 3's units, but "
+                                     f"zero_stage is {self.zero_stage}; set zero_stage=3")
         units = self.runtime_ngpus if self.plan_ngpus == AUTO else self.scale_units
         if not self.use_zero and self.zero_ngroups != 1:
             raise ComputeConfigError(
@@ -487,15 +465,11 @@ class ComputeConfig:
 
     def _settle_zero_stage(self) -> None:
         """Make ``use_zero`` and ``zero_stage`` one answer (see the class docstring)."""
-        if self.zero_stage is None:
-            return
-        if self.use_zero and self.zero_stage == 0:
+        if self.zero_stage is not None and self.use_zero and self.zero_stage == 0:
             raise ComputeConfigError(
                 f"ComputeConfig: use_zero=True (ZeRO stage 1) disagrees with zero_stage=0 (no "
-                f"sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False "
-                f"to not shard"
-            )
-        else:
+                f"sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False")
+        if self.zero_stage is not None:
             object.__setattr__(self, "use_zero", self.zero_stage >= 1)
 
     # -- the typed parts ----------------------------------------------------------------

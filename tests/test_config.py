@@ -197,7 +197,7 @@ def test_json_round_trip_is_stable():
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2, 3\]"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": True}, "zero_stage must be one of"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 2, "zero_units": ["a"]},
-         "zero_units names the gathering units of ZeRO stage 3, but zero_stage is 2"),
+         "zero_units names ZeRO stage 3.s units, but zero_stage is 2"),
         ({"plan_ngpus": 1, "runtime_ngpus": 2, "zero_stage": 3, "zero_units": "a.b"},
          "zero_units must be a list of distinct module paths"),
         ({"plan_ngpus": 1, "runtime_ngpus": 4, "use_zero": True, "zero_ngroups": 3},
