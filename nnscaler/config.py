@@ -246,18 +246,18 @@ class TracingConfig:
 # -- checks -------------------------------------------------------------------------------
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ComputeConfigError(
-            f"ComputeConfig.{name} must be a positive int, got {value!r}; e.g. "
-            f"ComputeConfig(plan_ngpus=2, runtime_ngpus=4)"
-        )
+        raise ComputeConfigError(f"ComputeConfig.{name} must be a positive int, got {value!r}; "
+                                 f"e.g. ComputeConfig(plan_ngpus=2, runtime_ngpus=4)")
 
 
 def _bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ComputeConfigError(
-            f"ComputeConfig.{name} must be True or False, got {value!r} "
-            f"({type(value).__name__})"
-        )
+        raise ComputeConfigError(f"ComputeConfig.{name} must be True or False, got {value!r} "
+                                 f"({type(value).__name__})")
+
+
+def _bool_or_none(name: str, value: Any) -> None:
+    return None if value is None else _bool(name, value)
 
 
 def _trace_strategy(name: str, value: Any) -> None:
@@ -361,8 +361,8 @@ class ComputeConfig:
         use_zero: shard optimizer state (ZeRO stage 1) over the data-parallel replicas.
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
-        zero_stage: 0 to 3, what is sharded (``docs/zero.md``); None follows ``use_zero``;
-            a stage given decides (``use_zero=True, zero_stage=0`` is refused).
+        zero_stage: 0 to 3, what is sharded (``docs/zero.md``); None follows ``use_zero``,
+            which (left out) follows it; the two given must agree.
         zero_units: stage 3's gathering units by module path (``docs/zero.md``).
         use_end2end: the module returns its loss first; train with ``train_step``.
         inference_only: generate code for inference only (no gradient reducers).
@@ -397,7 +397,7 @@ class ComputeConfig:
         metadata=_check(lambda n, v: None if v == AUTO else _positive_int(n, v)))
     runtime_ngpus: int = field(default=None, metadata=_check(_positive_int))  # type: ignore[assignment]
     _: KW_ONLY
-    use_zero: bool = field(default=False, metadata=_check(_bool))
+    use_zero: bool = field(default=None, metadata=_check(_bool_or_none))  # type: ignore[assignment]
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
     zero_stage: int | None = field(default=None, metadata=_check(_zero_stage))
     zero_units: Sequence[str] = field(default=(), metadata=_check(_zero_units))
@@ -465,12 +465,12 @@ class ComputeConfig:
 
     def _settle_zero_stage(self) -> None:
         """Make ``use_zero`` and ``zero_stage`` one answer (see the class docstring)."""
-        if self.zero_stage is not None and self.use_zero and self.zero_stage == 0:
-            raise ComputeConfigError(
-                f"ComputeConfig: use_zero=True (ZeRO stage 1) disagrees with zero_stage=0 (no "
-                f"sharding); give one of them: zero_stage=1 (or 2) to shard, or use_zero=False")
-        if self.zero_stage is not None:
-            object.__setattr__(self, "use_zero", self.zero_stage >= 1)
+        use, stage = self.use_zero, self.zero_stage
+        if stage is not None and use is not None and use != (stage >= 1):
+            raise ComputeConfigError(f"ComputeConfig: use_zero={use} disagrees with zero_stage="
+                                     f"{stage} (use_zero is stage >= 1); give one, or both "
+                                     f"agreeing (replace() of one needs the other too)")
+        object.__setattr__(self, "use_zero", bool(use) if stage is None else stage >= 1)
 
     # -- the typed parts ----------------------------------------------------------------
     @property

@@ -28,7 +28,7 @@ from nnscaler.config import (
 SURFACE = [
     ("plan_ngpus", dataclasses.MISSING),
     ("runtime_ngpus", None),
-    ("use_zero", False),
+    ("use_zero", None),  # follows zero_stage (False when neither is given)
     ("zero_ngroups", 1),
     ("zero_stage", None),
     ("zero_units", ()),
@@ -117,11 +117,15 @@ def test_zero_stage_and_use_zero_are_one_answer(kwargs, use_zero, stage):
 
 def test_zero_stage_disagreeing_with_use_zero_is_refused():
     with pytest.raises(ComputeConfigError,
-                       match=r"use_zero=True .* disagrees with zero_stage=0.*zero_stage=1"):
+                       match=r"use_zero=True disagrees with zero_stage=0 .*give one"):
         ComputeConfig(1, 2, use_zero=True, zero_stage=0)
+    with pytest.raises(ComputeConfigError, match="use_zero=False disagrees with zero_stage=3"):
+        ComputeConfig(1, 2, use_zero=False, zero_stage=3)
     cfg = ComputeConfig(1, 2, zero_stage=2)
     with pytest.raises(ComputeConfigError, match="disagrees"):
         dataclasses.replace(cfg, zero_stage=0)  # use_zero=True was set from stage 2
+    with pytest.raises(ComputeConfigError, match="replace"):  # never kept sharding silently
+        dataclasses.replace(cfg, use_zero=False)
     assert dataclasses.replace(cfg, use_zero=False, zero_stage=0).reducer.zero_stage == 0
     # use_zero alone keeps nnScaler's meaning, replaced or not
     assert dataclasses.replace(ComputeConfig(1, 2, use_zero=True),

@@ -140,7 +140,8 @@ class Case:
         from nnscaler import ComputeConfig
 
         return ComputeConfig(plan_ngpus=self.plan_ngpus, runtime_ngpus=self.runtime_ngpus,
-                             use_zero=self.use_zero, use_async_reducer=self.use_async_reducer,
+                             use_zero=self.use_zero if self.zero_stage is None else None,
+                             use_async_reducer=self.use_async_reducer,
                              use_end2end=self.end2end, zero_stage=self.zero_stage,
                              zero_ngroups=self.zero_ngroups, zero_units=self.zero_units)
 
