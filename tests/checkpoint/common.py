@@ -106,7 +106,7 @@ def run_parallel(pm: Any, opt: torch.optim.Optimizer, data: list[list[dict[str, 
 
 
 def parallelize_net(policy: str, plan_ngpus: int, runtime_ngpus: int, gen_savedir: str,
-                    *, use_zero: bool = False, init_params: bool = True,
+                    *, use_zero: bool | None = None, init_params: bool = True,
                     pas_config: dict[str, Any] | None = None, end2end: bool = False,
                     instance: str | None = None, model: nn.Module | None = None,
                     zero_stage: int | None = None) -> Any:
@@ -115,7 +115,7 @@ def parallelize_net(policy: str, plan_ngpus: int, runtime_ngpus: int, gen_savedi
     cfg = ComputeConfig(plan_ngpus=plan_ngpus, runtime_ngpus=runtime_ngpus, use_zero=use_zero,
                         pas_config=pas_config or {}, use_end2end=end2end,
                         zero_stage=zero_stage)
-    name = instance or (f"{policy}-p{plan_ngpus}r{runtime_ngpus}" + ("-zero" if use_zero else "")
+    name = instance or (f"{policy}-p{plan_ngpus}r{runtime_ngpus}" + ("-zero" if use_zero and not zero_stage else "")
                         + (f"-zero{zero_stage}" if zero_stage else ""))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
