@@ -7,7 +7,8 @@ top_k_weights)``: parameters ``gate_up_proj [E, 2F, H]`` (gate rows, then up row
 ``down_proj [E, H, F]``, a gated MLP per expert, no bias. While the tracer runs, the
 forward of every such module is the op (`expert_layers`); the router, its auxiliary loss
 and the shared experts around it trace as they are. A module with 3-d expert weights that
-breaks one of those rules is left as it is, with an `UnplacedExpertsWarning` naming it,
+breaks one of those rules, or whose forward computes something else on a probe batch
+(`computes_differently`), is left as it is, with an `UnplacedExpertsWarning` naming it,
 the rule and what to do: call `moe_experts` from its forward (docs/moe.md).
 """
 
@@ -24,10 +25,11 @@ import torch
 from torch import nn
 
 from nnscaler.errors import UnplacedExpertsWarning
-from nnscaler.ops.builtin.moe import ACTIVATIONS, MOE_EXPERTS, moe_experts
+from nnscaler.ops.builtin.moe import ACTIVATIONS, MOE_EXPERTS, moe_experts, routed_experts
 from nnscaler.ops.registry import make_recording_wrapper
 
-__all__ = ["UnplacedExpertsWarning", "expert_layers", "expert_stack_problem"]
+__all__ = ["UnplacedExpertsWarning", "computes_differently", "expert_layers",
+           "expert_stack_problem"]
 
 #: the flags Hugging Face's ``use_experts_implementation`` sets, and the value we need
 _FLAGS = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
@@ -74,6 +76,53 @@ def expert_stack_problem(module: nn.Module) -> str | None:
     return None
 
 
+#: expert stacks on the meta device up to this many bytes are probed with random weights
+PROBE_BYTES = 2**30
+
+
+def computes_differently(module: nn.Module) -> str | None:
+    """Why ``module``'s own forward is not `moe_experts` on a probe batch (``None``: the
+    two agree). Names, shapes and flags cannot tell gate rows from up rows, or see a scale
+    or a different combine; two tokens per expert, through both, can. Weights on the meta
+    device are replaced by random ones for the probe (put back after)."""
+    names = ("gate_up_proj", "down_proj")
+    weights = {n: getattr(module, n) for n in names}
+    meta = any(w.device.type == "meta" for w in weights.values())
+    if meta and sum(w.numel() * 4 for w in weights.values()) > PROBE_BYTES:
+        return None  # too large to make up; its structure matched
+    gen = torch.Generator().manual_seed(0)
+    e, _, h = weights["gate_up_proj"].shape
+    k, tokens = min(2, e), 2 * e
+    dtype = torch.float32 if meta else weights["gate_up_proj"].dtype
+    device = torch.device("cpu") if meta else weights["gate_up_proj"].device
+    hidden = torch.randn(tokens, h, generator=gen).to(dtype=dtype, device=device)
+    index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).to(device)
+    router = torch.randn(tokens, k, generator=gen).softmax(-1).to(dtype=dtype, device=device)
+    saved = dict(module._parameters)
+    try:
+        if meta:
+            for n, w in weights.items():
+                module._parameters[n] = nn.Parameter(
+                    torch.randn(w.shape, generator=gen) / w.shape[-1] ** 0.5)
+        with torch.no_grad():
+            own = type(module).forward(module, hidden, index, router)
+            ours = routed_experts(hidden, index, router, module.gate_up_proj, module.down_proj,
+                                  activation=_activation(module))
+    except Exception as exc:  # noqa: BLE001 - a forward that rejects the probe is not ours
+        return f"its forward failed on a probe batch ({type(exc).__name__}: {exc})"
+    finally:
+        module._parameters.update(saved)
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    if not isinstance(own, torch.Tensor) or own.shape != ours.shape:
+        return "its forward returns something other than one [tokens, hidden] tensor"
+    err = float((own.float() - ours.float()).abs().max() / ours.float().abs().max().clamp_min(1e-12))
+    if not err <= tol:
+        return (f"its forward computes something else than moe_experts (relative difference "
+                f"{err:.2g} on a probe batch; gate rows then up rows, {_activation(module)}, "
+                f"weighted sum of the top-k experts)")
+    return None
+
+
 def _forward_as_op(module: nn.Module, path: str) -> Any:
     op = make_recording_wrapper(moe_experts, MOE_EXPERTS)
     activation = _activation(module)
@@ -105,6 +154,8 @@ def expert_layers(root: nn.Module) -> Iterator[list[str]]:
     try:
         for path, module in root.named_modules():
             problem = expert_stack_problem(module)
+            if problem is None:
+                problem = computes_differently(module)
             if problem is None:
                 own = "forward" in module.__dict__
                 patched.append((module, own, module.__dict__.get("forward")))

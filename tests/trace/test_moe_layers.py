@@ -88,3 +88,27 @@ def test_a_dense_mlp_with_the_same_names_is_no_expert_stack():
         warnings.simplefilter("error", UnplacedExpertsWarning)
         graph = trace(DenseMLP(), {"x": torch.randn(3, 8)})
     assert not [op for op in graph.ops if op.name == MOE_EXPERTS]
+
+
+class SwappedExperts(Experts):
+    """The same names, shapes and flags, but up rows first: structure alone cannot tell."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        gate_up = torch.einsum("th,efh->tef", hidden, self.gate_up_proj)
+        up, gate = gate_up.chunk(2, dim=-1)
+        y = torch.einsum("tef,ehf->teh", self.act_fn(gate) * up, self.down_proj)
+        mix = torch.zeros(hidden.shape[0], 4).scatter(1, top_k_index, top_k_weights)
+        return torch.einsum("teh,te->th", y, mix)
+
+
+def test_a_stack_that_computes_something_else_is_left_as_it_is():
+    block = Block()
+    block.experts = SwappedExperts()
+    x = torch.randn(6, 8)
+    want = block(x)
+    for strategy in ("real", "meta"):
+        with pytest.warns(UnplacedExpertsWarning, match=r"computes something else than "
+                                                        r"moe_experts \(relative difference"):
+            graph = trace(block, {"x": x}, strategy=strategy)
+        assert not [op for op in graph.ops if op.name == MOE_EXPERTS]
+    torch.testing.assert_close(block(x), want)  # the probe's weights were put back
