@@ -1,11 +1,13 @@
 """Peak memory of loading Hub-format weights into a parallel plan (docs/pretrained.md).
 
 A Llama of about 1.2 B parameters (the shape of Llama-3.2-1B: hidden 2048, 16 layers,
-vocabulary 128256, tied embedding; float32, about 4.9 GB) gets random weights and is
+vocabulary 128256, tied embedding; float32, about 4.9 GB; ``--shape tinyllama-1.1b``:
+TinyLlama-1.1B's, 22 layers, vocabulary 32000, untied, 4.4 GB) gets random weights and is
 saved by transformers' own ``save_pretrained`` into a temporary folder, in a child
 process that exits before the ranks start. Then, for ``tp`` and ``pp`` on 2 CPU
 processes, each rank builds the model with ``nnscaler.meta_parameters()``, parallelizes
-it with ``trace_strategy='meta'`` and calls ``nnscaler.load_pretrained``; its logits on one
+it with ``trace_strategy='meta'`` (``pp``: stages balanced by the parameters they hold,
+``--pp-balance``) and calls ``nnscaler.load_pretrained``; its logits on one
 batch must equal the HF model's (rtol 1e-5, atol 1e-5 of the largest logit).
 
 Memory is the kernel's resident-set high-water mark, ``VmHWM`` of ``/proc/self/status``
@@ -16,6 +18,7 @@ the whole process (imports, tracing, code generation, loading, the forward), and
 
     python bench/hub/bench_load.py               # the 1.2 B model (needs ~12 GB of disk)
     python bench/hub/bench_load.py --layers 2 --hidden 256 --vocab 1024   # a quick run
+    python bench/hub/bench_load.py --shape tinyllama-1.1b                  # untied
     python bench/hub/bench_load.py --reshard     # also tp on 4 -> files -> pp on 2
     python bench/hub/bench_load.py --reshard --only-reshard   # just that
 
@@ -47,14 +50,24 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# the shapes of two public 1 B Llamas (their config.json files): Llama-3.2-1B ties its LM
+# head to the embedding, TinyLlama-1.1B does not
+SHAPES = {
+    "llama3.2-1b": dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8,
+                        vocab=128256, tied=True),
+    "tinyllama-1.1b": dict(hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4,
+                           vocab=32000, tied=False),
+}
+
+
 def config(args: argparse.Namespace):
     import transformers
 
     c = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.hidden * 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
-        max_position_embeddings=256, tie_word_embeddings=True,
+        hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads or args.hidden // 64,
+        num_key_value_heads=args.kv_heads or max(1, args.hidden // 256), vocab_size=args.vocab,
+        max_position_embeddings=256, tie_word_embeddings=args.tied,
     )
     c._attn_implementation = "sdpa"
     return c
@@ -108,7 +121,9 @@ def build(args: argparse.Namespace, gen: str, policy: str, world: int):
     with nnscaler.meta_parameters():
         model = WithLoss(transformers.LlamaForCausalLM(config(args)))
     cfg = nnscaler.ComputeConfig(plan_ngpus=world, runtime_ngpus=world, trace_strategy="meta",
-                                 use_end2end=True, pas_config={"pipeline_nmicros": 1},
+                                 use_end2end=True,
+                                 pas_config={"pipeline_nmicros": 1,
+                                             "pipeline_balance": args.pp_balance},
                                  inference_only=True)
     return nnscaler.parallelize(model, {"b": batch()}, policy, cfg, gen_savedir=gen,
                                 init_module_params=False, instance_name=f"{policy}{world}")
@@ -190,9 +205,15 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, folder: str, gen: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3.2-1b",
+                        help="the model's shape; --layers, --hidden and the others override "
+                             "its values")
+    for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                        help="the LM head tied to the embedding (default: as the shape)")
+    parser.add_argument("--pp-balance", choices=["compute", "parameters"], default="parameters",
+                        help="pas_config['pipeline_balance'] of the pp plans")
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--reshard", action="store_true",
                         help="also: tp on 4 ranks saves per-rank files, pp on 2 ranks loads "
@@ -200,6 +221,9 @@ def main() -> None:
     parser.add_argument("--only-reshard", action="store_true",
                         help="with --reshard: skip the tp 2 and pp 2 loads from the folder")
     args = parser.parse_args()
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     root = tempfile.mkdtemp(prefix="bench_hub_", dir=args.dir)
     try:

@@ -12,7 +12,11 @@ which code generation reads too):
   ``1f1b``, ``1f1b_interleaved``);
 - ``pipeline_nvirtual``: stages per pipeline device (default 2 for ``1f1b_interleaved``,
   else 1); the graph is cut into ``p * pipeline_nvirtual`` stages and stage ``s`` runs on
-  pipeline device ``s % p``.
+  pipeline device ``s % p``;
+- ``pipeline_balance``: what the stages are balanced on (default ``'compute'``, below;
+  ``'parameters'``: the parameter elements each stage holds, a weight read by two stages
+  (an LM head tied to the embedding) counted in both, for models whose memory, not
+  compute, decides how many stages they need).
 
 ``pp`` runs each stage whole on one device (``plan_ngpus == pipeline_nstages``).
 ``hybrid`` gives each pipeline device ``k = plan_ngpus / pipeline_nstages`` devices
@@ -20,7 +24,7 @@ which code generation reads too):
 over them with the ``tp`` policy's chooser (``tp_lookahead`` applies). Data parallelism
 across scale units comes from ``runtime_ngpus``, as for every policy.
 
-Where to cut: every op gets a cost (the product of the sizes of the dims its
+Where to cut (``pipeline_balance='compute'``): every op gets a cost (the product of the sizes of the dims its
 annotation iterates over: its outputs' dims and the dims it contracts or sums; the
 elements it writes for an op without annotation), and the cut points minimize the cost of the most
 expensive stage. Cuts are only placed where a new *layer* starts (the module path up to
@@ -32,7 +36,8 @@ unless there are too few layers for the stages.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from array import array
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -50,6 +55,7 @@ from nnscaler.policies.common import (
 __all__ = ["PipelineOptions", "cut_points", "hybrid", "op_cost", "pipeline_options", "pp"]
 
 _INTERLEAVED = "1f1b_interleaved"
+BALANCES = ("compute", "parameters")
 
 
 @attrs.frozen
@@ -60,6 +66,7 @@ class PipelineOptions:
     nmicros: int
     scheduler: str
     nvirtual: int
+    balance: str = "compute"
 
     @property
     def total_stages(self) -> int:
@@ -105,8 +112,14 @@ def pipeline_options(config: ComputeConfig, policy: str, *, default_nstages: int
     get_schedule(scheduler)  # fails here, listing the registered schedules
     nvirtual = _positive(policy, cfg, "pipeline_nvirtual",
                          2 if scheduler == _INTERLEAVED else 1, "the stages per pipeline device")
+    balance = cfg.get("pipeline_balance", "compute")
+    if balance not in BALANCES:
+        raise PolicyError(
+            f"policy {policy!r}: pas_config['pipeline_balance'] is what the stages are "
+            f"balanced on, one of {list(BALANCES)}; got {balance!r}"
+        )
     return PipelineOptions(nstages=nstages, nmicros=nmicros, scheduler=scheduler,
-                           nvirtual=nvirtual)
+                           nvirtual=nvirtual, balance=balance)
 
 
 # -- where to cut ---------------------------------------------------------------------------
@@ -156,10 +169,42 @@ def _inside(path: str, parent: str) -> bool:
     return parent == "" or path.startswith(parent + ".")
 
 
-def cut_points(ops: list[Op], nstages: int, policy: str = "pp") -> list[int]:
+def _compute_costs(ops: list[Op], bounds: list[int]) -> Callable[[int, int], float]:
+    """``cost(a, b)``: the summed [`op_cost`][nnscaler.policies.pipeline.op_cost] of the
+    ops from ``bounds[a]`` to ``bounds[b]``."""
+    prefix = [0.0]
+    for op in ops:
+        prefix.append(prefix[-1] + op_cost(op))
+    at = [prefix[b] for b in bounds]
+    return lambda a, b: at[b] - at[a]
+
+
+def _parameter_costs(ops: list[Op], bounds: list[int]) -> Callable[[int, int], float]:
+    """``cost(a, b)``: the elements of the distinct parameters the ops from ``bounds[a]``
+    to ``bounds[b]`` read; a parameter two stages read counts in both (each holds it)."""
+    reads = [{t.full.root for t in tensors_in(op.inputs) if t.full.is_param} for op in ops]
+    m = len(bounds)
+    table = array("d", bytes(8 * m * m))  # row a, column b
+    for a in range(m):
+        seen: set = set()
+        total = 0.0
+        b = a + 1
+        for i in range(bounds[a], bounds[-1]):
+            for p in reads[i] - seen:
+                seen.add(p)
+                total += p.numel
+            while b < m and bounds[b] == i + 1:
+                table[a * m + b] = total
+                b += 1
+    return lambda a, b: table[a * m + b]
+
+
+def cut_points(ops: list[Op], nstages: int, policy: str = "pp",
+               balance: str = "compute") -> list[int]:
     """The positions in ``ops`` where stages ``1 .. nstages-1`` start: the cuts that
-    minimize the cost of the most expensive stage, where a new layer starts when there
-    are enough of them."""
+    minimize the cost of the most expensive stage (its compute, or with ``balance=
+    'parameters'`` the parameters it holds), where a new layer starts when there are
+    enough of them."""
     n = len(ops)
     if nstages > n:
         raise PolicyError(f"policy {policy!r}: cannot cut {n} ops into {nstages} pipeline "
@@ -171,11 +216,9 @@ def cut_points(ops: list[Op], nstages: int, policy: str = "pp") -> list[int]:
                if layers[i] != layers[i - 1] and not _inside(layers[i - 1], layers[i])]
     if len(allowed) < nstages - 1:
         allowed = list(range(1, n))
-    prefix = [0.0]
-    for op in ops:
-        prefix.append(prefix[-1] + op_cost(op))
     bounds = [0, *allowed, n]
     m = len(bounds)
+    segment = (_parameter_costs if balance == "parameters" else _compute_costs)(ops, bounds)
     inf = float("inf")
     # best[j][b]: the least max stage cost of the ops before bounds[b] in j stages
     best = [[inf] * m for _ in range(nstages + 1)]
@@ -186,7 +229,7 @@ def cut_points(ops: list[Op], nstages: int, policy: str = "pp") -> list[int]:
             for a in range(b):
                 if best[j - 1][a] == inf:
                     continue
-                cost = max(best[j - 1][a], prefix[bounds[b]] - prefix[bounds[a]])
+                cost = max(best[j - 1][a], segment(a, b))
                 if cost < best[j][b]:
                     best[j][b], back[j][b] = cost, a
     cuts = []
@@ -201,9 +244,9 @@ def cut_points(ops: list[Op], nstages: int, policy: str = "pp") -> list[int]:
     return cuts
 
 
-def _stage(g: IRGraph, nstages: int, policy: str) -> None:
+def _stage(g: IRGraph, nstages: int, policy: str, balance: str = "compute") -> None:
     ops = g.nodes()
-    cuts = cut_points(ops, nstages, policy)
+    cuts = cut_points(ops, nstages, policy, balance)
     g.staging([ops[0], *(ops[c] for c in cuts)])
 
 
@@ -230,7 +273,7 @@ def pp(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
             f"policy to give each of {opts.nstages} stages {n // opts.nstages or 1} devices"
         )
     g = as_policy_graph(graph)
-    _stage(g, opts.total_stages, "pp")
+    _stage(g, opts.total_stages, "pp", opts.balance)
     for op in g.nodes():
         g.assign(op, (op.stage or 0) % opts.nstages)
     g.check(n)
@@ -266,7 +309,7 @@ def hybrid(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
         raise PolicyError(f"policy 'hybrid': pas_config['tp_lookahead'] is an int >= 0, got "
                           f"{lookahead!r}")
     g = as_policy_graph(graph)
-    _stage(g, opts.total_stages, "hybrid")
+    _stage(g, opts.total_stages, "hybrid", opts.balance)
     if k == 1:
         for op in g.nodes():
             g.assign(op, 0)

@@ -3,6 +3,8 @@ errors for settings they cannot plan."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from pipeline_helpers import case, config, plan
@@ -11,7 +13,8 @@ from nnscaler.errors import UnknownNameError
 from nnscaler.graph import IRGraph, run_plan
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies import PolicyError, hybrid, pp
-from nnscaler.policies.pipeline import cut_points, op_cost
+from nnscaler.ir import tensors_in
+from nnscaler.policies.pipeline import _inside, _layer, cut_points, op_cost
 
 
 @pytest.mark.parametrize("name,policy", [("pp", pp), ("hybrid", hybrid)])
@@ -70,6 +73,53 @@ def test_cut_points_balance_the_cost():
     assert max(per_stage) <= 1.5 * sum(costs) / 4
 
 
+def _held(ops, bounds):
+    """The parameter elements each stage reads (a tied weight in every stage reading it)."""
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        params = {t.full.root for op in ops[a:b] for t in tensors_in(op.inputs)
+                  if t.full.is_param}
+        out.append(sum(p.numel for p in params))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "tied", "mlp8"])
+@pytest.mark.parametrize("nstages", [2, 3])
+def test_parameter_balance_minimizes_the_largest_stage(name, nstages):
+    """``balance='parameters'``: the cuts reach the least possible largest stage, by
+    parameters held, of every choice of layer starts (brute force)."""
+    ops = IRGraph.from_graph(case(name).graph).nodes()
+    layers = [_layer(op) for op in ops]
+    starts = [i for i in range(1, len(ops))
+              if layers[i] != layers[i - 1] and not _inside(layers[i - 1], layers[i])]
+    if len(starts) < nstages - 1:
+        starts = list(range(1, len(ops)))
+    best = min(max(_held(ops, [0, *c, len(ops)]))
+               for c in itertools.combinations(starts, nstages - 1))
+    cuts = cut_points(ops, nstages, balance="parameters")
+    assert max(_held(ops, [0, *cuts, len(ops)])) == best
+
+
+def test_a_tied_weight_counts_in_both_stages():
+    """The ``tied`` model's first and last layers share a weight: cut in two, each stage
+    holds it, and the parameter balance counts it twice."""
+    ops = IRGraph.from_graph(case("tied").graph).nodes()
+    cuts = cut_points(ops, 2, balance="parameters")
+    first, second = _held(ops, [0, *cuts, len(ops)])
+    total = sum(p.numel() for p in case("tied").module.parameters())
+    assert first + second > total
+
+
+def test_parameter_balance_plans_reproduce_the_model():
+    cfg = config(2, pipeline_nmicros=2, pipeline_balance="parameters")
+    graph = plan("hf_gpt2", pp, cfg)
+    module = case("hf_gpt2").module
+    batch = case("hf_gpt2").make_batch(0)
+    want = module(batch)
+    got = run_plan(graph, module, {"batch": batch})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_linear_cost_counts_the_contracted_dim():
     ops = IRGraph.from_graph(case("mlp8").graph).nodes()
     linear = next(op for op in ops if op.name.endswith("linear"))
@@ -117,6 +167,9 @@ def test_an_unknown_scheduler_lists_the_registered_ones(fresh_plugins):
                               r"train_step, a positive int; got 0"),
     ({"pipeline_nmicros": 2, "pipeline_scheduler": 3}, r"name of a registered schedule"),
     ({"pipeline_nmicros": 2, "hybrid": 1, "pipeline_nvirtual": 0}, r"pipeline_nvirtual"),
+    ({"pipeline_nmicros": 2, "pipeline_balance": "memory"},
+     r"pas_config\['pipeline_balance'\] is what the stages are balanced on, one of "
+     r"\['compute', 'parameters'\]; got 'memory'"),
 ])
 def test_bad_pipeline_options(pas, message):
     with pytest.raises(PolicyError, match=message):
