@@ -50,13 +50,16 @@ class Segment:
     inplace: tuple[tuple[str, str], ...] = ()  # (variable changed in place, op's source)
 
 
-def _names(stmts: Sequence[ast.stmt], ctx: type) -> list[str]:
-    out = []
-    for stmt in stmts:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ctx):
-                out.append(node.id)
-    return out
+def _loads_stores(stmt: ast.stmt) -> tuple[list[str], list[str]]:
+    """The names ``stmt`` reads and those it assigns, each in `ast.walk`'s order."""
+    loads, stores = [], []
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load):
+                loads.append(node.id)
+            elif isinstance(node.ctx, ast.Store):
+                stores.append(node.id)
+    return loads, stores
 
 
 def _flat(stmts: Iterable[ast.stmt]) -> list[ast.stmt]:
@@ -79,48 +82,74 @@ def _parse(lines: Sequence[str]) -> list[ast.stmt]:
         raise CodegenError(f"internal error: a generated method does not parse ({e})") from e
 
 
+def _runs(body: list[str]) -> list[tuple[int | None, list[str]]]:
+    """``body`` cut at its markers: runs of lines, each ``(key, lines)`` with ``key`` the
+    piece's key for the lines of a piece and None for the lines between pieces. Markers
+    lie between top-level statements, so every run parses on its own."""
+    runs: list[tuple[int | None, list[str]]] = []
+    plain: list[str] = []
+    i = 0
+    while i < len(body):
+        line = body[i]
+        if not line.startswith(BEGIN):
+            plain.append(line)
+            i += 1
+            continue
+        if plain:
+            runs.append((None, plain))
+            plain = []
+        j = body.index(END, i)
+        runs.append((int(line[len(BEGIN):].rstrip(">")), body[i + 1:j]))
+        i = j + 1
+    if plain:
+        runs.append((None, plain))
+    return runs
+
+
 def extract(body: list[str], params: Sequence[str], segments: dict[int, Segment],
             *, enabled: bool = True) -> tuple[list[str], list[list[str]]]:
     """``body`` (a method's lines, holding `BEGIN`/`END` markers) with each
     marked piece replaced by a checkpointed call, and the methods to add to the class
     (each a list of lines, without the class indentation). ``params``: the method's
-    parameters. ``enabled`` False (inference only): the pieces stay inline."""
+    parameters. ``enabled`` False (inference only): the pieces stay inline.
+
+    Linear in the size of ``body``: every run of lines between markers is parsed once,
+    the variables the forward has defined are kept as the runs go, and whether a
+    variable is read after a piece is looked up in the index of the last run reading it."""
+    runs = _runs(body)
+    # per statement of each run, in order: (names it reads, names it assigns), one walk
+    names = [[_loads_stores(stmt) for stmt in _parse(lines)] for _, lines in runs]
+    last_read: dict[str, int] = {}  # variable -> the last run that reads it
+    for r, stmts in enumerate(names):
+        for loads, _ in stmts:
+            for name in loads:
+                last_read[name] = r
     out: list[str] = []
     methods: list[list[str]] = []
     counts: dict[int, int] = {}
-    i = 0
-    while i < len(body):
-        line = body[i]
-        if not line.startswith(BEGIN):
-            out.append(line)
-            i += 1
-            continue
-        key = int(line[len(BEGIN):].rstrip(">"))
-        j = body.index(END, i)
-        inner = body[i + 1:j]
-        i = j + 1
-        seg = segments[key]
-        stmts = _parse(inner)
-        if not enabled or not stmts:
+    defined = set(params)  # the local variables the forward has when a run starts
+    for r, ((key, inner), stmts) in enumerate(zip(runs, names)):
+        stored = [name for _, stores in stmts for name in stores]
+        if key is None or not enabled or not stmts:
             out += inner
+            defined.update(stored)
             continue
-        # the local variables the forward has when the piece starts
-        defined = set(params) | set(_names(_parse(out), ast.Store))
-        stored = _names(stmts, ast.Store)
+        seg = segments[key]
         inputs: list[str] = []
         seen: set[str] = set()
-        for stmt in stmts:
-            for name in _names([stmt], ast.Load):
+        for loads, stores in stmts:
+            for name in loads:
                 if name in defined and name not in seen and name not in inputs:
                     inputs.append(name)
-            seen |= set(_names([stmt], ast.Store))
-        later = set(_names(_parse([x for x in body[i:] if not x.startswith(("#<", "#</"))]),
-                           ast.Load))
-        outputs = [n for n in dict.fromkeys(stored) if n in later and n != "_out"]
+            seen.update(stores)
+        outputs = [n for n in dict.fromkeys(stored)
+                   if last_read.get(n, -1) > r and n != "_out"]
         check_inputs_unchanged(seg, inputs)
         if not outputs:  # nothing of it is read later on this rank: no reason to keep it
             out += inner
+            defined.update(stored)
             continue
+        defined |= set(outputs)  # what the checkpointed call assigns
         k = counts.get(seg.group, 0)
         counts[seg.group] = k + 1
         name = f"_recompute_{seg.group}" if k == 0 else f"_recompute_{seg.group}_{k}"
