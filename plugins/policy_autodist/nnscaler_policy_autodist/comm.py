@@ -37,9 +37,13 @@ class DeviceSpec:
 
     ``flops``: dense matmul throughput (FLOP/s) for the model's dtype class it is used
     with; ``mem_bw``: memory bandwidth (B/s), for ops that only move data; ``memory``:
-    bytes per device; ``intra_bw``/``inter_bw``: bytes/s one device sends inside a node
-    and across nodes; ``intra_lat``/``inter_lat``: seconds per hop; ``per_node``: devices
-    per node; ``launch``: seconds of overhead per op.
+    bytes per device; ``intra_bw``/``inter_bw``: the bus bandwidth (B/s, as nccl-tests
+    reports it: an all-reduce of ``S`` bytes over ``g`` devices takes ``2(g-1)/g * S /
+    busbw``) of a collective inside a node, and of one across nodes per device of the
+    group in each node (its network card); ``intra_lat``/``inter_lat``: seconds per hop;
+    ``per_node``: devices per node; ``launch``: seconds of overhead per op;
+    ``attn_fw_flops``/``attn_bw_flops``: the fused attention kernel's throughput forward
+    and backward (0: ``flops``).
     """
 
     name: str
@@ -56,20 +60,48 @@ class DeviceSpec:
     #: group of ``curve_group`` processes (`measure_comm`); empty: the formula
     allreduce_curve: tuple[tuple[float, float], ...] = ()
     curve_group: int = 0
+    attn_fw_flops: float = 0.0
+    attn_bw_flops: float = 0.0
 
 
-#: Public figures (datasheets; NCCL bus bandwidths that reach ~80% of link rate).
-#: H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 4 at 450 GB/s per
-#: direction, InfiniBand NDR 400 Gb/s (50 GB/s) per GPU. A100 SXM: 312 TFLOP/s, 2.0 TB/s,
-#: 80 GB, NVLink 3 at 300 GB/s, HDR 200 Gb/s (25 GB/s). ``cpu``: one core of this
-#: project's machines with gloo over loopback (measured here; replace by measure_comm).
+# Figures of named devices, each from a public source:
+#
+# - peaks: NVIDIA's datasheets. H100 SXM5: 989.4 TFLOP/s dense BF16, 3.35 TB/s HBM3,
+#   80 GB. A100 SXM4 80GB: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e, 80 GB.
+# - matmul: XLA's table of measured cuBLAS GEMMs on sm_90 (openxla/xla,
+#   xla/service/gpu/model/matmul_interpolator_data.h): BF16 4096x4096x4096 runs at
+#   783 TFLOP/s (0.79 of peak), 2048^3 at 632 TFLOP/s, which the 783 TFLOP/s plateau
+#   plus about 5 us per kernel reproduces (27 us = 22 + 5): so ``flops`` is the plateau
+#   and ``launch`` 5 us. No such table is public for sm_80; the A100 takes the same 0.79
+#   of its peak (an assumption that bench/autodist/bench_published.py checks).
+# - attention: FlashAttention-2 (the kernel behind torch's scaled_dot_product_attention
+#   on both), Dao 2023 (arXiv 2307.08691): on A100 forward reaches up to 73% of peak,
+#   backward up to 63%, at head dim 128 and long sequences; the FlashAttention-3 paper
+#   (Shah et al. 2024, arXiv 2407.08608) reports FlashAttention-2 at 35% of H100's peak
+#   forward (backward scaled by the A100's 63/73).
+# - memory: 0.8 of the datasheet bandwidth for elementwise kernels (an assumption: the
+#   large-copy rate of HBM is 0.85-0.9 of peak, torch's unfused kernels do a little worse).
+# - NCCL inside a node: nccl-tests all_reduce_perf busbw at large sizes, 460-480 GB/s on
+#   8 x H100 SXM5 (NVLink 4, NVSwitch) and 230-250 GB/s on 8 x A100 SXM4 (NVLink 3)
+#   (Alaya NeW, "NCCL-tests in practice", docs.alayanew.com/en/docs/tech-blog/
+#   2026-05-06-nccl-tests); the lower ends are used.
+# - NCCL across nodes: one InfiniBand card per GPU (DGX H100: ConnectX-7 NDR 400 Gb/s;
+#   DGX A100: ConnectX-6 HDR 200 Gb/s, NVIDIA's DGX user guides), at 0.9 of the line
+#   rate: 45 and 22.5 GB/s per device of a group in each node.
+# - latency per hop: an assumption, 1.5 us inside a node and 5 us across (a small
+#   all-reduce over 8 devices then takes about 20 us inside a node, 70 us across).
+#
+# ``cpu``: one core of this project's machines with gloo over loopback (measured here;
+# replace by measure_comm).
 DEVICE_SPECS: dict[str, DeviceSpec] = {
-    "H100": DeviceSpec(name="H100", flops=989e12 * 0.5, mem_bw=3.35e12 * 0.7, memory=80 * GB,
-                       intra_bw=450e9 * 0.8, inter_bw=50e9 * 0.8, intra_lat=8e-6,
-                       inter_lat=20e-6, per_node=8, launch=5e-6),
-    "A100": DeviceSpec(name="A100", flops=312e12 * 0.5, mem_bw=2.0e12 * 0.7, memory=80 * GB,
-                       intra_bw=300e9 * 0.8, inter_bw=25e9 * 0.8, intra_lat=10e-6,
-                       inter_lat=25e-6, per_node=8, launch=5e-6),
+    "H100": DeviceSpec(name="H100", flops=783e12, mem_bw=3.35e12 * 0.8, memory=80 * GB,
+                       intra_bw=460e9, inter_bw=45e9, intra_lat=1.5e-6, inter_lat=5e-6,
+                       per_node=8, launch=5e-6, attn_fw_flops=989.4e12 * 0.35,
+                       attn_bw_flops=989.4e12 * 0.35 * 63 / 73),
+    "A100": DeviceSpec(name="A100", flops=312e12 * 0.79, mem_bw=2.039e12 * 0.8,
+                       memory=80 * GB, intra_bw=230e9, inter_bw=22.5e9, intra_lat=1.5e-6,
+                       inter_lat=5e-6, per_node=8, launch=5e-6, attn_fw_flops=312e12 * 0.70,
+                       attn_bw_flops=312e12 * 0.60),
     "cpu": DeviceSpec(name="cpu", flops=2 * 30e9, mem_bw=8e9, memory=8 * GB, intra_bw=1.5e9,
                       inter_bw=1.5e9, intra_lat=60e-6, inter_lat=60e-6, per_node=64,
                       launch=4e-6),
@@ -113,9 +145,17 @@ class CommModel:
             t = self.measured(size, max(g, 2))
             if t is not None:
                 return t
-        bw = self.spec.inter_bw if cross else self.spec.intra_bw
+        local = max(sum(1 for d in grp if d // self.spec.per_node == grp[0] // self.spec.per_node)
+                    for grp in groups)
+        bw = self.cross_bw(local) if cross else self.spec.intra_bw
         lat = self.spec.inter_lat if cross else self.spec.intra_lat
         return lat * max(g - 1, 1) + elements * itemsize / bw
+
+    def cross_bw(self, local: int = 1) -> float:
+        """Bus bandwidth of a collective across nodes whose group has ``local`` devices
+        in each node: each device sends through its own network card, so the node's
+        cards carry the group's traffic together (up to the bandwidth inside a node)."""
+        return min(self.spec.intra_bw, self.spec.inter_bw * max(local, 1))
 
     def plan_time(self, p: Plan | None, itemsize: int, numel: int, grad: bool) -> float:
         """Forward (and, with ``grad``, backward) time of plan ``p``; a move without a plan
@@ -135,8 +175,9 @@ class CommModel:
                    for s in p.steps if s.cost > 0)
 
     def allreduce_time(self, nbytes: float, g: int, *, cross: bool = False,
-                       bucketed: bool = True) -> float:
-        """A ring all-reduce of ``nbytes`` over ``g`` devices. Gradients are synchronised
+                       bucketed: bool = True, local: int = 1) -> float:
+        """A ring all-reduce of ``nbytes`` over ``g`` devices (``cross``: across nodes,
+        ``local`` of them in each node, see `cross_bw`). Gradients are synchronised
         in buckets (``bucketed``): their latency is shared by `BUCKET_BYTES`."""
         if g <= 1 or nbytes <= 0:
             return 0.0
@@ -144,7 +185,7 @@ class CommModel:
             if bucketed:  # at the rate of a full bucket
                 return self.measured(BUCKET_BYTES, g) * nbytes / BUCKET_BYTES
             return self.measured(nbytes, g)
-        bw = self.spec.inter_bw if cross else self.spec.intra_bw
+        bw = self.cross_bw(local) if cross else self.spec.intra_bw
         lat = 2 * (g - 1) * (self.spec.inter_lat if cross else self.spec.intra_lat)
         if bucketed:
             lat *= min(1.0, nbytes / BUCKET_BYTES)

@@ -127,7 +127,8 @@ class CostModel:
     def __init__(self, *, profiler: ComputeProfiler, comm: CommModel, units: int,
                  zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
                  allowed: dict[int, set] | None = None, max_degree: int | None = None,
-                 micro_batches: int = 1, share: float = 1.0) -> None:
+                 micro_batches: int = 1, share: float = 1.0,
+                 overlap_grads: bool = False, unit: int | None = None) -> None:
         self.profiler = profiler
         self.comm = comm
         self.units = units
@@ -141,6 +142,9 @@ class CostModel:
         self.micro_batches = max(1, micro_batches)
         #: processes per core of the devices planned for (`profile.core_share`)
         self.share = share
+        #: the reducer sums gradients while backward runs (``async_op``, ZeRO stage 2+)
+        self.overlap_grads = overlap_grads
+        self.unit = unit  # devices of a scale unit (plan_ngpus), for the node layout
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 
     # -- options ------------------------------------------------------------------------
@@ -181,6 +185,7 @@ class CostModel:
         recomputed = op.oid in self.recompute
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
         comm = self.part_comm(op, t, k, grads)
+        grad_sum = 0.0  # seconds a step spends summing this op's weights' gradients
         mem = 0.0
         transient = 0.0
         seen: set[FullTensor] = set()
@@ -212,11 +217,12 @@ class CostModel:
                     # gradient may arrive in partial sums) in every scale unit, in one
                     # all-reduce
                     holders = (1 if need is None else need.r) * self.units
-                    comm += self.comm.allreduce_time(
-                        piece, holders,
-                        cross=self.units * k > self.comm.spec.per_node) / self.micro_batches
+                    grad_sum += self.comm.allreduce_time(
+                        piece, holders, cross=self.units * k > self.comm.spec.per_node,
+                        local=self._local(1 if need is None else need.r, k))
                 else:
                     mem += piece
+        comm += self._exposed(grad_sum, bw if grads else 0.0) / self.micro_batches
         act = 0.0
         if grads and not recomputed:
             for full, lay in writes:
@@ -251,6 +257,28 @@ class CostModel:
             once = self.comm.allreduce_time(nbytes, k, bucketed=False)
             total += once * (2 if grads and call.backward else 1)
         return total
+
+    def _local(self, replicas: int, k: int) -> int:
+        """Devices in one node of the group that sums a weight piece's gradient: its
+        ``replicas`` in a stage of ``k`` devices, times the scale units that share a
+        node (units of ``unit`` devices lie node after node)."""
+        per_node = self.comm.spec.per_node
+        unit = self.unit or k
+        if k > per_node:
+            return replicas
+        return min(replicas * self.units, replicas * max(1, per_node // max(unit, 1)))
+
+    def _exposed(self, grad_sum: float, backward: float) -> float:
+        """Seconds of a step's gradient sum that backward does not hide. Summed after
+        backward (the reducer's default), all of it. Summed from backward's hooks
+        (``overlap_grads``), a bucket is reduced on its own stream while backward
+        computes the ops before it; with layers of one size, an op's gradients are
+        summed while a layer's worth of backward runs, so this is counted per op as the
+        part of its sum longer than its own backward (of the last micro-batch: the
+        earlier ones only accumulate)."""
+        if not self.overlap_grads:
+            return grad_sum
+        return max(0.0, grad_sum - backward)
 
     def _gpu(self) -> bool:
         return self.comm.spec.name != "cpu"

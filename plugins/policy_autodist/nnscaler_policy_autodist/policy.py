@@ -133,6 +133,14 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
     return ranked[0].unit, found[ranked[0].unit], ranked
 
 
+def _reduces_in_backward(config: ComputeConfig) -> bool:
+    """Whether the runtime's reducer sums gradients from backward's hooks, bucket by
+    bucket while backward goes on (``use_async_reducer``, or ZeRO stage 2 and up; as
+    the runtime decides from `ComputeConfig.reducer`), rather than after backward."""
+    reducer = config.reducer
+    return reducer.async_op or (reducer.zero_stage or 0) >= 2
+
+
 def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
     """Plan ``graph`` like the ``autodist`` policy and also return what it chose."""
     from nnscaler_policy_autodist import planfile, report
@@ -152,6 +160,7 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
         call_on_every_rank(measure_comm, cfg.profile_dir)
     spec = device_spec(cfg.device_type, cfg.profile_dir, runtime)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
+    profiler.note_program(ops)
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
     allowed = load_constraints(cfg.partition_constraints_path, g)
@@ -160,7 +169,9 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
                            zero=zero, recompute=recompute, allowed=allowed,
                            max_degree=cfg.max_partition_degree,
                            micro_batches=nmicros * cfg.update_freq,
-                           share=core_share() if here else 1.0) for n in sizes}
+                           share=core_share() if here else 1.0,
+                           overlap_grads=_reduces_in_backward(config), unit=n)
+              for n in sizes}
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
         profiler.prefetch([(op, t, n // s) for n, model in models.items()

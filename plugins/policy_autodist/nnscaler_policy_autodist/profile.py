@@ -15,8 +15,10 @@ costs its share of the whole op, and the collectives its parts run are recorded 
 calling it once on meta tensors (`ComputeProfiler.collectives`); an op whose
 function fails on made-up values gets the
 analytic estimate of the device's figures (`analytic_time`). For a named device that is not here
-(``device_type='H100'``), every op gets the analytic estimate: its work over the device's
-throughput, or its bytes over its memory bandwidth, whichever is longer.
+(``device_type='H100'``), every op gets the analytic estimate
+(`nnscaler_policy_autodist.analytic`): its work over the device's throughput, or its
+bytes over its memory bandwidth, whichever is longer; nothing for an op that returns a
+view of its input.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from nnscaler.extend import (
     TensorKind,
     Transform,
     check_reduce_op,
-    op_work,
     part_piece,
     tensors_in,
 )
+from nnscaler_policy_autodist.analytic import analytic_time, mark_strided
 from nnscaler_policy_autodist.comm import DeviceSpec
 
 __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
@@ -106,17 +108,6 @@ def _grads(op: Op) -> bool:
     return not op.no_grad and any(t.full.requires_grad for t in op.input_tensors())
 
 
-def analytic_time(op: Op, spec: DeviceSpec, num: int = 1) -> tuple[float, float]:
-    """(forward, backward) seconds of one part of ``op`` in ``num`` parts, from the
-    device's figures: two FLOPs per multiply-accumulate at ``spec.flops``, or the bytes it
-    reads and writes at ``spec.mem_bw``, whichever is longer, plus a launch overhead.
-    Backward is twice forward when gradients flow."""
-    work = op_work(op) / num
-    moved = _bytes(op) / num
-    fw = max(2 * work / spec.flops, moved / spec.mem_bw) + spec.launch
-    return fw, (2 * fw if _grads(op) else 0.0)
-
-
 def _make(spec: TensorSpec, device: torch.device, grad: bool) -> torch.Tensor:
     dtype, shape = spec.dtype, spec.shape
     if dtype.is_floating_point or dtype.is_complex:
@@ -150,6 +141,14 @@ class ComputeProfiler:
         #: (ops, optimizer): what a whole step of the model takes over the sum of its
         #: parts measured alone (`calibrate`); every time is scaled by it
         self.factors: tuple[float, float] = (1.0, 1.0)
+        #: tensors of the program that may not be contiguous (`note_program`): a
+        #: reshape of one copies it
+        self.strided: frozenset = frozenset()
+
+    def note_program(self, ops: Sequence[Op]) -> None:
+        """Read ``ops`` (the whole program, in order) for what the analytic estimate
+        needs beyond one op: which tensors are strided views (`mark_strided`)."""
+        self.strided = mark_strided(ops)
 
     # -- public ------------------------------------------------------------------------
     def time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
@@ -360,14 +359,14 @@ class ComputeProfiler:
                got: tuple[float, float] | str) -> None:
         if isinstance(got, str):  # made-up values the op rejects: estimate it
             logger.debug("autodist: cannot profile %s (%s); estimating", job.op, got)
-            got = analytic_time(op, self.spec, parts)
+            got = analytic_time(op, self.spec, parts, self.strided)
         self._table[key] = list(got)
         self._dirty = True
         self.profiled += 1
 
     def _time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
         if not self.measure:
-            return analytic_time(op, self.spec, num)
+            return analytic_time(op, self.spec, num, self.strided)
         found = self._job(op, t, num)
         if found is None:
             if t is not None and op.anno is not None and op.opdef is not None \
@@ -376,7 +375,7 @@ class ComputeProfiler:
                 # be shrunk to fit: the whole op's share
                 fw, bw = self.time(op, None, 1)
                 return fw / num, bw / num
-            return analytic_time(op, self.spec, num)
+            return analytic_time(op, self.spec, num, self.strided)
         key, job, scale = found
         if key not in self._table:
             self._store(key, job, op, num * scale, run_job(job))
