@@ -258,7 +258,7 @@ class _Rank:
         """This device's lines of ``steps``: blocks of lines, each with or without
         gradients and under the autocast its ops were traced in; a block ``(None,
         [marker])`` opens or closes a piece of a recompute group
-        (`nnscaler.codegen.recompute`), which adapters cut."""
+        (`nnscaler.codegen.recompute`), which adapters and collective part ops cut."""
         blocks: list[tuple[_Mode | None, list[str]]] = []  # ((no_grad, autocast), lines)
         open_: list[int] = []  # the key of the open piece, if any
 
@@ -287,9 +287,10 @@ class _Rank:
                 add((step.no_grad, step.origin.autocast), adapter_lines)
             if op is None:
                 continue
-            if open_ and self.segments[open_[0]].group != group:
+            talks = step.part_devices is not None  # runs once too: its parts meet in forward
+            if open_ and (self.segments[open_[0]].group != group or talks):
                 close()
-            if group is not None and not open_:
+            if group is not None and not open_ and not talks:
                 key = len(self.segments)
                 self.segments[key] = recompute.Segment(group)
                 open_.append(key)

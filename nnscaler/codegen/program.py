@@ -184,7 +184,7 @@ def build_program(
         _check_pipeline_args(g, args)
     builder.name_inputs()
     steps = [builder.step(origin, insts, pos) for pos, (origin, insts) in enumerate(builder.runs)]
-    check_recompute_groups(g, steps, g.describe)
+    check_recompute_groups(g, g.describe)
     outputs, output_adapters = builder.outputs()
     builder.name_held()
     if pipe is not None:

@@ -12,18 +12,20 @@ What a method takes and returns is read from the code itself: it takes the local
 variables it reads that the forward defined before it, and returns those it defines that
 the forward reads after it.
 
-Two things are not recomputed, by design:
+Three things are not recomputed, by design:
 
 - *adapters* (the layout changes between ops, many of them collectives): each runs once
   in the forward and once (its adjoint) in backward; a recompute group is cut around
   them and their outputs are kept. Replaying a collective inside another rank's backward
   order could deadlock;
+- an op whose parts talk to each other (a collective part op: the class-parallel
+  cross-entropy, the expert-parallel MoE layer's all-to-all): cut out of the group like
+  an adapter, for the same reason; it runs once in the forward and its output is kept;
 - an op that changes one of the method's inputs in place (the recomputation would see
   the changed value): refused by `check_inputs_unchanged`.
 
-A group whose op talks to its sibling parts (a collective part op such as the
-class-parallel cross-entropy) or that spans two pipeline stages is refused when the
-program is built (`check_groups`).
+A group that spans two pipeline stages is refused when the program is built
+(`check_groups`).
 """
 
 from __future__ import annotations
@@ -178,10 +180,9 @@ def check_inputs_unchanged(seg: Segment, inputs: Sequence[str]) -> None:
             )
 
 
-def check_groups(graph: Graph, steps: Sequence[object], describe: object) -> None:
-    """Refuse the recompute groups code generation cannot honour: a group with an op
-    that talks to its sibling parts (its collective would run again inside one rank's
-    backward), and a group whose ops lie in two pipeline stages."""
+def check_groups(graph: Graph, describe: object) -> None:
+    """Refuse the recompute groups code generation cannot honour: a group whose ops lie
+    in two pipeline stages."""
     stage_of: dict[int, tuple[int | None, Op]] = {}
     for op in graph.ops:
         group = op.plan.recompute
@@ -196,14 +197,3 @@ def check_groups(graph: Graph, steps: Sequence[object], describe: object) -> Non
                 f"the ops of each stage as their own group (graph.recompute once per stage), "
                 f"after graph.staging"
             )
-    for step in steps:
-        if getattr(step, "part_devices", None) is None:
-            continue
-        for op in step.instances.values():  # type: ignore[attr-defined]
-            if op.plan.recompute is not None:
-                raise CodegenError(
-                    f"{describe(op)} is in recompute group {op.plan.recompute}, but its parts "
-                    f"exchange values with each other ({op.opdef.name}): recomputing it would "
-                    f"run that exchange again inside backward, where the ranks do not meet in "
-                    f"the same order. Fix: leave this op out of the group"
-                )

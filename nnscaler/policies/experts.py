@@ -15,10 +15,11 @@ from typing import Any
 
 from nnscaler.anno import Transform
 from nnscaler.ir import Op
-from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, MOE_EXPERTS
+from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, FFN_PARALLEL, MOE_EXPERTS
 from nnscaler.policies.common import PolicyError
 
-__all__ = ["expert_parallel_option", "expert_transform", "is_moe"]
+__all__ = ["expert_parallel_option", "expert_transform", "ffn_transform", "is_moe",
+           "require_moe_layers"]
 
 
 def is_moe(op: Op) -> bool:
@@ -51,6 +52,23 @@ def expert_transform(op: Op, num: int, policy: str) -> Transform:
     t = op.anno.split(3, 0, num, rules=op.opdef.rules_for(op.anno))
     if t.part_op != EXPERT_PARALLEL:  # pragma: no cover - the op's rules give it
         raise PolicyError(f"policy {policy!r}: {_where(op)} has no expert-parallel split")
+    return t
+
+
+def ffn_transform(op: Op, num: int, policy: str) -> Transform:
+    """The tensor-parallel split of ``op`` in ``num`` parts: every expert's intermediate
+    units in slices (``down_proj`` split by its last dim, ``gate_up_proj`` sliced by each
+    part, the parts' results summed). A layer whose intermediate size ``num`` does not
+    divide raises `PolicyError` naming it."""
+    ffn = op.anno.input_shapes[4][2]
+    if ffn % num:
+        raise PolicyError(
+            f"policy {policy!r}: {_where(op)} has experts of {ffn} intermediate units, which "
+            f"{num} tensor-parallel devices cannot share evenly. Use a tensor-parallel size "
+            f"that divides {ffn}, or split the experts themselves (expert parallelism)")
+    t = op.anno.split(4, 2, num, rules=op.opdef.rules_for(op.anno))
+    if t.part_op != FFN_PARALLEL:  # pragma: no cover - the op's rules give it
+        raise PolicyError(f"policy {policy!r}: {_where(op)} has no tensor-parallel split")
     return t
 
 

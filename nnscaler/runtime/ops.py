@@ -10,8 +10,10 @@ other code than the op itself), the file calls it as ``nnscaler.runtime.ops.<nam
   parts exchanging their normalizers through ``group`` (the vocabulary-parallel loss);
 - `context_parallel_attention`: ``F.scaled_dot_product_attention`` on a chunk of the
   sequence, the parts passing keys and values through ``group`` (ring, zigzag, Ulysses);
-- `routed_experts` / `expert_parallel_moe`: the routed experts of an MoE layer, whole or
-  split over the parts of ``group`` (expert parallelism, tokens exchanged all-to-all);
+- `routed_experts` / `expert_parallel_moe` / `ffn_parallel_moe`: the routed experts of an
+  MoE layer, whole, split over the parts of ``group`` (expert parallelism, tokens
+  exchanged all-to-all), or on a slice of every expert's intermediate units (tensor
+  parallelism inside the experts);
 - `token_parallel_cross_entropy`: a mean ``F.cross_entropy`` on a slice of the tokens,
   the parts all-reducing their sums and counts.
 
@@ -22,7 +24,7 @@ is here).
 
 from nnscaler.ops.builtin.context_parallel import context_parallel_attention
 from nnscaler.ops.builtin.loss import class_parallel_cross_entropy
-from nnscaler.ops.builtin.moe import expert_parallel_moe, routed_experts
+from nnscaler.ops.builtin.moe import expert_parallel_moe, ffn_parallel_moe, routed_experts
 from nnscaler.ops.builtin.nn import row_parallel_embedding
 from nnscaler.ops.builtin.token_loss import token_parallel_cross_entropy
 
@@ -30,6 +32,7 @@ __all__ = [
     "class_parallel_cross_entropy",
     "context_parallel_attention",
     "expert_parallel_moe",
+    "ffn_parallel_moe",
     "routed_experts",
     "row_parallel_embedding",
     "token_parallel_cross_entropy",

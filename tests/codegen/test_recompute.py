@@ -151,13 +151,29 @@ def test_a_group_across_pipeline_stages_is_refused():
             "pas_config": {"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"}})
 
 
-def test_a_group_with_a_collective_part_op_is_refused():
+def _head_and_loss_recomputed() -> IRGraph:
     graph = tp(fresh("gpt"), ComputeConfig(plan_ngpus=2, runtime_ngpus=2))
     graph.recompute([op for op in graph.nodes() if op.module_path == ""
                      or "cross_entropy" in op.name])
-    with pytest.raises(CodegenError, match=r"gpt\.py:\d+.*exchange values.*Fix: leave this "
-                                           r"op out of the group"):
-        build_program(graph, plan_ngpus=2, runtime_ngpus=2, end2end=True)
+    return graph
+
+
+def test_a_collective_part_op_cuts_its_group_and_runs_once():
+    """The class-parallel cross-entropy exchanges its normalizers: like an adapter it runs
+    once in the forward, outside the checkpointed pieces."""
+    program = build_program(_head_and_loss_recomputed(), plan_ngpus=2, runtime_ngpus=2,
+                            end2end=True)
+    src = unwrap(generate_rank(program, 0))
+    forward = src.split("    def _forward_impl", 1)[1].split("\n    def ", 1)[0]
+    assert "class_parallel_cross_entropy" in forward
+    for method in src.split("\n    def _recompute_")[1:]:
+        assert "class_parallel_cross_entropy" not in method
+
+
+@pytest.mark.slow  # test_experts.py's recomputed expert-parallel MoE covers the path fast
+def test_parity_with_a_collective_part_op_in_the_group(tmp_path):
+    run_parity(tmp_path, "gpt", _head_and_loss_recomputed(), plan_ngpus=2, runtime_ngpus=2,
+               steps=2)
 
 
 def test_an_op_that_changes_an_input_of_its_group_is_refused():

@@ -7,6 +7,7 @@ tiny Hugging Face Mixtral and Qwen2-MoE with their load-balancing loss. Each ran
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -37,22 +38,40 @@ def _reference(kind: str, model_kw: dict, data: list) -> dict:
             "params": {n: p.detach() for n, p in ref.named_parameters()}}
 
 
-def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: str) -> dict:
+def _recompute_moe_layers(graph, config):
+    """The ``data`` plan with every MoE block (router, experts, shared expert) recomputed."""
+    from nnscaler.policies import data
+
+    graph = data(graph, config)
+    for path in sorted({op.module_path for op in graph.nodes()
+                        if op.module_path.startswith("moes.") and op.module_path.count(".") == 1}):
+        graph.recompute(path)
+    return graph
+
+
+def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: str,
+            expert_parallel: bool = True, recompute: bool = False) -> dict:
     from nnscaler import ComputeConfig, parallelize
+    from nnscaler.ops.builtin.moe import record_routing
 
     warnings.simplefilter("ignore")
     units = world // plan
     data = batches(2, units)
     ref = _reference(kind, model_kw, data)
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
-                        pas_config={"expert_parallel": True})
-    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]}, "data", cfg,
-                     gen_savedir=root)
+                        pas_config={"expert_parallel": expert_parallel})
+    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]},
+                     _recompute_moe_layers if recompute else "data", cfg, gen_savedir=root)
+    if recompute:
+        gencode = os.path.join(type(pm).generated_dir(), f"gencode{rank}.py")
+        assert "torch.utils.checkpoint.checkpoint(" in open(gencode).read()
     opt = torch.optim.SGD(pm.parameters_for_optimizer(), **SGD)
-    unit, losses = rank // plan, []
+    unit, losses, routed = rank // plan, [], []
     expert_bytes = total_expert_bytes = 0
     for i, step in enumerate(data):
-        losses += [float(x) for x in pm.train_step([step[unit]])]
+        with record_routing() as records:
+            losses += [float(x) for x in pm.train_step([step[unit]])]
+        routed.append([sum(r.tokens_per_expert) for r in records])
         pm.sync_grad()
         for attr, meta in pm.fullmap.items():
             if meta.kind != "parameter" or i:
@@ -77,7 +96,7 @@ def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: s
         if full.dim() == 3:  # an expert stack
             expert_bytes += mine.numel() * mine.element_size()
             total_expert_bytes += full.numel() * full.element_size()
-    return {"expert_bytes": expert_bytes, "total": total_expert_bytes}
+    return {"expert_bytes": expert_bytes, "total": total_expert_bytes, "routed": routed}
 
 
 CASES = [
@@ -97,6 +116,73 @@ def test_expert_parallel_parity(tmp_path, kind, model_kw, plan, world):
     results = run_distributed(_worker, world, kind, model_kw, plan, str(tmp_path), timeout=600)
     for res in results:  # each rank holds exactly 1/degree of every expert stack
         assert res["expert_bytes"] * plan == res["total"] > 0
+
+
+def _recompute_worker(rank: int, world: int, root: str) -> list:
+    return [_worker(rank, world, "deepseek", {"top_k": 2}, 2, f"{root}/{ep}", ep, True)["routed"]
+            for ep in (False, True)]
+
+
+def test_recomputed_moe_blocks_train_exactly_and_record_once(tmp_path):
+    """Every MoE block in a recompute group: the dense plan replays the experts in backward
+    (the replay adds no routing record), the expert-parallel plan runs its all-to-all once
+    (the group is cut around it); both train like one process."""
+    tokens = 4 * 8 * 2  # batch 4 x sequence 8, top-2
+    for dense, ep in run_distributed(_recompute_worker, 2, str(tmp_path), timeout=600):
+        # one record per layer and step: half the batch (dense), the whole batch (ep)
+        assert dense == [[tokens // 2] * 2] * 2
+        assert ep == [[tokens] * 2] * 2
+
+
+def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, stage: int,
+                 root: str) -> dict:
+    """Expert parallel inside data parallel with ZeRO ``stage``: each expert stack's pieces
+    are reduced (and sharded) over the ranks holding the same experts only."""
+    from parallel.common import check_pieces
+    from parallel.test_zero_parity import gathered_grads
+
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+
+    warnings.simplefilter("ignore")
+    units = world // plan
+    data = batches(2, units)
+    ref = _reference(kind, model_kw, data)
+    cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
+                        zero_stage=stage, pas_config={"expert_parallel": True})
+    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]}, "data", cfg,
+                     gen_savedir=root)
+    opt = build_optimizer(pm, torch.optim.SGD, **SGD)
+    unit, losses = rank // plan, []
+    for i, step in enumerate(data):
+        opt.zero_grad()
+        losses += [float(x) for x in pm.train_step([step[unit]])]
+        opt.sync_shard_grad()
+        if i == 0:
+            grads = gathered_grads(pm)
+            for attr, meta in pm.fullmap.items():
+                want = ref["grads"].get(meta.orig_name)
+                if meta.kind == "parameter" and want is not None:
+                    torch.testing.assert_close(grads[attr], want[meta.slicers], **TOL,
+                                               msg=lambda m, n=meta.orig_name: f"grad {n}: {m}")
+        opt.step()
+    torch.testing.assert_close(torch.tensor(losses),
+                               torch.tensor(ref["losses"][unit::units]), **TOL)
+    expert_ranks = sorted({r.ranks for r in pm.reducers for b in r.buckets
+                           if any(p.dim() == 3 for p in b.params)})
+    return {"checked": check_pieces(pm, ref["params"], rtol=1e-5, atol=1e-6),
+            "expert_reducer_ranks": expert_ranks}
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])
+def test_expert_parallel_with_zero(tmp_path, stage):
+    """ep 2 x dp 2: rank r holds the experts of r % 2, so an expert stack is reduced and
+    sharded over {0, 2} or {1, 3}, the replicated parameters over all four ranks."""
+    results = run_distributed(_zero_worker, 4, "deepseek", {"top_k": 2}, 2, stage,
+                              str(tmp_path), timeout=600)
+    for rank, res in enumerate(results):
+        assert res["checked"] > 0
+        assert res["expert_reducer_ranks"] == [(rank % 2, rank % 2 + 2)]
 
 
 def _plan(kind: str, model_kw: dict, plan: int, pas_config: dict):

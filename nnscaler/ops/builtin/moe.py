@@ -8,9 +8,17 @@ weights stacked as ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``), and
 results are summed with the router's weights. The router stays outside the op, so its
 logits, its auxiliary loss and its top-k are ordinary traced ops.
 
-Two splits share the token dim ``t``:
+Three splits; the first and the last share the token dim ``t``:
 
 - **data parallel** (the first rule): every part holds every expert and runs its own tokens;
+- **tensor parallel inside the experts** (`ffn_parallel_moe`, the rule for a split of
+  ``down_proj`` by its intermediate dim ``f``): every part runs every token through every
+  chosen expert, on slice ``p`` of the expert's ``F`` intermediate units: gate rows and up
+  rows ``[p F/n, (p+1) F/n)`` of ``gate_up_proj`` (two blocks, one in each half, so
+  ``act(gate) * up`` pairs the right rows) and the same columns of ``down_proj``; the
+  parts' outputs sum to the layer's (value-partial). ``gate_up_proj`` stays whole on every
+  part, which slices it: a layout holds one block of a tensor per device, and a part's
+  gate and up rows are two;
 - **expert parallel** (`expert_parallel_moe`, a collective part op): part ``p`` holds the
   ``E / n`` experts ``[p E/n, (p+1) E/n)`` and its slice of the tokens. It counts its
   token-expert pairs per expert, all-gathers the counts (the sizes), sends every pair's
@@ -39,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nnscaler.anno import Reduce, Replicate, Split, TransformRule
+from nnscaler.anno import Reduce, Replicate, Split, TransformRule, ValuePartial
 from nnscaler.anno.partgroup import SINGLE, PartGroup
 from nnscaler.errors import MoEError
 from nnscaler.ops.registry import OpRegistry, make_recording_wrapper
@@ -47,9 +55,11 @@ from nnscaler.ops.registry import OpRegistry, make_recording_wrapper
 __all__ = [
     "ACTIVATIONS",
     "EXPERT_PARALLEL",
+    "FFN_PARALLEL",
     "MoEError",
     "RoutingRecord",
     "expert_parallel_moe",
+    "ffn_parallel_moe",
     "moe_experts",
     "record_routing",
     "routed_experts",
@@ -59,6 +69,8 @@ __all__ = [
 #: The part op of the expert-parallel split.
 EXPERT_PARALLEL = "nnscaler.ops.builtin.moe.expert_parallel_moe"
 MOE_EXPERTS = "nnscaler.ops.builtin.moe.moe_experts"
+#: The part op of the tensor-parallel split (every expert's intermediate dim in slices).
+FFN_PARALLEL = "nnscaler.ops.builtin.moe.ffn_parallel_moe"
 
 #: The experts' activations by name (Hugging Face's ``hidden_act`` spellings).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -102,7 +114,9 @@ _lock = threading.Lock()
 @contextlib.contextmanager
 def record_routing() -> Iterator[list[RoutingRecord]]:
     """Collect a `RoutingRecord` for every MoE call run inside the block (by any thread of
-    the process: the parts `run_parts` runs as threads each add theirs).
+    the process: the parts `run_parts` runs as threads each add theirs). A call that
+    activation recomputation replays in backward adds none: one step records each call
+    once, recomputed or not.
 
     ``with record_routing() as records: loss = model(batch)``; the Trainer does this each
     step and logs the counts (see ``docs/moe.md``).
@@ -149,7 +163,16 @@ def routing_metrics(records: list[RoutingRecord]) -> dict[str, float]:
     return metrics
 
 
+def _recomputing() -> bool:
+    """Whether this call runs inside a backward pass: activation recomputation
+    (``torch.utils.checkpoint``, reentrant or not, and nnscaler's recompute groups) replays
+    the forward there, and what the replay routes was already recorded by the forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _record(record: RoutingRecord) -> None:
+    if _recomputing():  # the forward's record counts; the replay routes the same tokens
+        return
     with _lock:
         for records in _recorders:
             records.append(record)
@@ -319,6 +342,30 @@ def expert_parallel_moe(
     return torch.zeros_like(hidden).index_add(0, token, y)
 
 
+def ffn_parallel_moe(
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation: str = "silu",
+    capacity_factor: float | None = None, drop_tokens: bool = False, layer: str = "",
+    ffn_part: tuple[int, int] = (0, 1),
+):
+    """`moe_experts` on part ``p`` of ``n`` (``ffn_part``) of every expert's intermediate
+    units: ``gate_up_proj [E, 2F, H]`` whole (this part takes its gate rows and up rows),
+    ``down_proj [E, H, F/n]`` this part's columns. Returns this part's share of the result;
+    the ``n`` parts' shares sum to it."""
+    part, num = ffn_part
+    local, two_f = down_proj.size(2), gate_up_proj.size(1)
+    if not 0 <= part < num or local * num * 2 != two_f:
+        where = f"MoE layer {layer!r}" if layer else "ffn_parallel_moe"
+        raise MoEError(f"{where}: ffn_part={ffn_part} with down_proj {list(down_proj.shape)} "
+                       f"(F/n = {local}) does not slice gate_up_proj {list(gate_up_proj.shape)} "
+                       f"(2F = {two_f}) in {num} parts")
+    start = part * local
+    gate_up = torch.cat([gate_up_proj.narrow(1, start, local),
+                         gate_up_proj.narrow(1, two_f // 2 + start, local)], dim=1)
+    return expert_parallel_moe(
+        hidden, top_k_index, top_k_weights, gate_up, down_proj, activation=activation,
+        capacity_factor=capacity_factor, drop_tokens=drop_tokens, layer=layer)
+
+
 # -- annotation and splits -----------------------------------------------------------------
 
 
@@ -339,17 +386,24 @@ def _ep_modifier(num_experts: int) -> Callable[..., dict]:
     return modifier
 
 
+def _ffn_modifier(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict:
+    return {**kwargs, "ffn_part": (part, num)}
+
+
 def moe_rules(bound: Any) -> list[TransformRule]:
-    """Data parallel (experts replicated; not with a capacity), then expert parallel."""
+    """Data parallel (experts replicated; not with a capacity), expert parallel, and
+    tensor parallel inside the experts (a split of ``down_proj``'s intermediate dim)."""
     experts = bound.input_shapes[3]
     if experts is None:
         return []
     tokens_frozen = bound.expanded.inputs[0].dims[0].idents[0].reduce is Reduce.FROZEN
-    s = Split(0)
+    s, r = Split(0), Replicate()
     rules = [] if tokens_frozen else [
-        TransformRule(inputs=(s, s, s, Replicate(), Replicate()), outputs=(s,))]
+        TransformRule(inputs=(s, s, s, r, r), outputs=(s,))]
     rules.append(TransformRule(inputs=(s, s, s, s, s), outputs=(s,),
                                modifier=_ep_modifier(experts[0]), part_op=EXPERT_PARALLEL))
+    rules.append(TransformRule(inputs=(r, r, r, r, Split(2)), outputs=(ValuePartial(),),
+                               modifier=_ffn_modifier, part_op=FFN_PARALLEL))
     return rules
 
 
@@ -383,3 +437,4 @@ def register(registry: OpRegistry) -> None:
                       transform_rules=moe_rules)
     registry.register(expert_parallel_moe, _ep_anno, name=EXPERT_PARALLEL,
                       input_gen_fn=gen_moe, collective=True)
+    registry.register(ffn_parallel_moe, _ep_anno, name=FFN_PARALLEL, input_gen_fn=gen_moe)

@@ -18,7 +18,10 @@ Steps, in this order (each needs the one before):
 
 With ``expert_model_parallel_size`` (= ``tp``), every MoE layer's experts are split
 over the tensor-parallel devices (`nnscaler.policies.experts`): each holds ``E / tp``
-experts and the tokens move to them with an all-to-all.
+experts and the tokens move to them with an all-to-all. Without it (``tp`` > 1), every
+expert is split by its intermediate units over the tensor-parallel devices, as Megatron
+splits a dense MLP: each device runs every token through a slice of each chosen expert
+and the slices' results are summed.
 
 Data parallelism is the ``runtime_ngpus / plan_ngpus`` scale units, and the distributed
 optimizer is ZeRO stage 1 (``use_zero``), both done by nnscaler's runtime. Parameter
@@ -38,6 +41,7 @@ from nnscaler.extend import (
     Op,
     as_compute_config,
     expert_transform,
+    ffn_transform,
     is_moe,
     require_moe_layers,
 )
@@ -72,6 +76,7 @@ class MegatronPlan:
         self.replicated: list[Op] = []
         self.unplaced: list[Op] = []  # parameter matmuls left whole
         self.expert_split: list[Op] = []  # MoE layers split by their experts
+        self.ffn_split: list[Op] = []  # MoE layers split by their experts' intermediate units
         self.stages: dict[str, int] = {}
 
 
@@ -167,6 +172,10 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
             t = expert_transform(op, cfg.ep, "megatron")
             parts = g.partition(op, idx=t.idx, dim=t.dim, num=cfg.ep)
             result.expert_split.append(op)
+        elif tp > 1 and is_moe(op):
+            t = ffn_transform(op, tp, "megatron")
+            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+            result.ffn_split.append(op)
         elif op in choices:
             t = choices[op]
             parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from nnscaler.anno import bind, parse
 from nnscaler.ops.builtin.moe import (
     EXPERT_PARALLEL,
+    FFN_PARALLEL,
     MoEError,
     expert_parallel_moe,
+    ffn_parallel_moe,
     moe_anno,
     moe_experts,
     moe_rules,
@@ -117,6 +119,40 @@ def test_routing_is_recorded_per_expert_and_per_part():
         assert rec.imbalance == max(rec.tokens_per_part) / T
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recomputed_call_is_recorded_once_and_stays_exact(reentrant):
+    """Activation checkpointing replays the op in backward: the replay adds no record and
+    the gradients are those of the plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    args = _inputs(2, "some")
+    leaves = [args[0], args[2], args[3], args[4]]
+    plain = [x.clone().requires_grad_(True) for x in leaves]
+    again = [x.clone().requires_grad_(True) for x in leaves]
+
+    def call(h, w, gu, d):
+        return moe_experts(h, args[1], w, gu, d, layer="moe.0")
+
+    def grads(out, leaves):  # .backward(): the reentrant checkpoint refuses autograd.grad
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        (out * up).sum().backward()
+        return [x.grad for x in leaves]
+
+    with record_routing() as records:
+        want = call(*plain)
+        want_grads = grads(want, plain)
+    assert len(records) == 1
+    with record_routing() as records:
+        got = checkpoint(call, *again, use_reentrant=reentrant)
+        got_grads = grads(got, again)
+    assert len(records) == 1  # the forward's; the backward's replay is not counted
+    assert records[0].tokens_per_expert == torch.bincount(args[1].reshape(-1),
+                                                          minlength=E).tolist()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_capacity_drops_the_same_pairs_split_or_whole():
     args = _inputs(2, "one")
     with pytest.raises(MoEError, match=r"capacity_factor=1.0 gives each expert 6 token slots"
@@ -146,19 +182,44 @@ def test_the_splits_of_the_op():
     bound = bind(parse(moe_anno(*args)), [tuple(x.shape) for x in args])
     rules = moe_rules(bound)
     space = bound.transform_space(2, rules=rules)
-    # tokens: data parallel (experts replicated); experts: expert parallel; nothing else
+    # tokens: data parallel (experts replicated); experts: expert parallel; the experts'
+    # intermediate units: tensor parallel; nothing else
     assert [(t.idx, t.dim, t.part_op) for t in space] == [
         (0, 0, None), (1, 0, None), (2, 0, None), (3, 0, EXPERT_PARALLEL),
-        (4, 0, EXPERT_PARALLEL)]
+        (4, 0, EXPERT_PARALLEL), (4, 2, FFN_PARALLEL)]
     assert [str(p) for p in space[3].inputs] == ["S(0)"] * 5
     assert [str(p) for p in space[0].inputs] == ["S(0)", "S(0)", "S(0)", "R", "R"]
-    # three parts cannot hold four experts
-    assert bound.transform_space(3, rules=rules)[3:] == []
+    assert [str(p) for p in space[5].inputs] == ["R", "R", "R", "R", "S(2)"]
+    assert [str(p) for p in space[5].outputs] == ["V"]
+    # three parts cannot hold four experts, but can share six intermediate units
+    assert [(t.idx, t.dim) for t in bound.transform_space(3, rules=rules)[3:]] == [(4, 2)]
     # with a capacity, tokens split only with the experts (the parts share their counts)
     capped = bind(parse(moe_anno(*args, capacity_factor=2.0)),
                   [tuple(x.shape) for x in args])
     assert {t.part_op for t in capped.transform_space(2, rules=moe_rules(capped))} == {
-        EXPERT_PARALLEL}
+        EXPERT_PARALLEL, FFN_PARALLEL}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("k", [1, 2])
+def test_ffn_parallel_parts_sum_to_the_whole_op(n, k):
+    """Each part takes its slice of the gate rows and of the up rows of the fused weight
+    and the same columns of the down projection; the parts' outputs sum to the op's, and
+    the gradients of the slices are the whole op's (gate_up_proj's add up)."""
+    args = _inputs(k, "some")
+    hidden, index, weights, gate_up, down = args
+    whole = [x.clone().requires_grad_(True) for x in (hidden, weights, gate_up, down)]
+    want = moe_experts(whole[0], index, *whole[1:])
+    want_grads = _grads(want, whole)
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weights, gate_up, down)]
+    downs = torch.tensor_split(leaves[3], n, dim=2)
+    got = sum(ffn_parallel_moe(leaves[0], index, leaves[1], leaves[2], downs[p],
+                               ffn_part=(p, n)) for p in range(n))
+    torch.testing.assert_close(got, want, **TOL)
+    for a, b in zip(_grads(got, leaves), want_grads, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    with pytest.raises(MoEError, match=r"ffn_part=\(0, 4\).*does not slice gate_up_proj"):
+        ffn_parallel_moe(hidden, index, weights, gate_up, downs[0], ffn_part=(0, 4))
 
 
 def test_meta_tensors_give_the_shape_and_the_collectives():
