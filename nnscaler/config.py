@@ -31,6 +31,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
+from nnscaler.config_reducer import (
+    DEFAULT_BUCKET_CAP_MB,
+    ReducerConfig,
+    check_reduce_dtype,
+    check_zero_stage,
+    check_zero_units,
+)
 from nnscaler.errors import CompileConfigError, ComputeConfigError
 from nnscaler.torch_compile import CompileConfig
 
@@ -52,9 +59,6 @@ __all__ = [
 #: The tracer's strategies (``nnscaler.trace.STRATEGIES``), spelled out here so that
 #: importing the config does not import the tracer.
 TRACE_STRATEGIES = ("real", "meta")
-
-#: The bucket size the reducer uses when ``reducer_bucket_cap_mb`` is None (MiB).
-DEFAULT_BUCKET_CAP_MB = 25.0
 
 #: ``ComputeConfig(plan_ngpus=AUTO)``: the policy (``autodist``) chooses the unit size.
 AUTO = "auto"
@@ -179,55 +183,6 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
-class ReducerConfig:
-    """How gradients are reduced across data-parallel replicas (read by code generation,
-    the runtime and ``build_optimizer``).
-
-    Args:
-        use_zero: shard over the replicas (ZeRO stage 1 or more; ``zero_stage`` says which).
-        zero_ngroups: ZeRO groups the replicas are split into.
-        async_op: overlap the reduction with backward.
-        bucket_cap_mb: bucket size in MiB (the default when the config says None).
-        zero_units: stage 3's gathering units, by module path (empty: the blocks).
-        zero_stage: 0 to 3 (``docs/zero.md``); None follows ``use_zero``.
-    """
-
-    use_zero: bool = False
-    zero_ngroups: int = 1
-    async_op: bool = False
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    zero_stage: int | None = None
-    zero_units: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "zero_units", tuple(self.zero_units))
-        if self.zero_stage is None:  # follows use_zero, as in ComputeConfig
-            object.__setattr__(self, "zero_stage", int(self.use_zero))
-        if self.use_zero != (self.zero_stage >= 1):
-            raise ComputeConfigError(f"ReducerConfig: use_zero={self.use_zero} disagrees with "
-                                     f"zero_stage={self.zero_stage}; set both or one")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> ReducerConfig:
-        """The inverse of `as_options` (a generated class's ``reducer_config``);
-        missing keys and a None bucket size take the defaults."""
-        cap, stage = options.get("reducer_bucket_cap_mb"), options.get("zero_stage")
-        return cls(use_zero=bool(options.get("use_zero", False)),
-                   zero_ngroups=int(options.get("zero_ngroups", 1)),
-                   async_op=bool(options.get("use_async_reducer", False)),
-                   bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else float(cap),
-                   zero_stage=None if stage is None else int(stage),
-                   zero_units=tuple(options.get("zero_units", ())))
-
-    def as_options(self) -> dict[str, Any]:
-        """The reducer options under their ``ComputeConfig`` names (what generated code
-        and ``config.json`` spell)."""
-        return {"use_zero": self.use_zero, "zero_ngroups": self.zero_ngroups,
-                "use_async_reducer": self.async_op, "reducer_bucket_cap_mb": self.bucket_cap_mb,
-                "zero_stage": self.zero_stage, "zero_units": list(self.zero_units)}
-
-
-@dataclass(frozen=True)
 class TracingConfig:
     """How ``parallelize`` traces the module (read by the tracer's caller and the graph
     reuse check).
@@ -284,23 +239,6 @@ def _bucket_cap(name: str, value: Any) -> None:
             f"ComputeConfig.reducer_bucket_cap_mb must be a positive number of MiB, or 0 or "
             f"None for the reducer's default ({DEFAULT_BUCKET_CAP_MB} MiB), got {value!r}"
         )
-
-
-ZERO_STAGES = (0, 1, 2, 3)  #: what ``ComputeConfig.zero_stage`` accepts (docs/zero.md)
-
-
-def _zero_stage(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or value not in ZERO_STAGES):
-        raise ComputeConfigError(f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or "
-                                 f"None (follow use_zero), got {value!r}: 0 shards nothing, 1 "
-                                 f"the optimizer state, 2 the gradients too, 3 the parameters")
-
-
-def _zero_units(name: str, value: Any) -> None:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
-            isinstance(u, str) and u for u in value) or len(set(value)) != len(value):
-        raise ComputeConfigError(f"ComputeConfig.{name} must be a list of distinct module "
-                                 f"paths (strings such as 'gpt.blocks.0'), got {value!r}")
 
 
 def _mapping(name: str, value: Any) -> None:
@@ -364,6 +302,8 @@ class ComputeConfig:
         zero_stage: 0 to 3, what is sharded (``docs/zero.md``); None follows ``use_zero``,
             which (left out) follows it; the two given must agree.
         zero_units: stage 3's gathering units by module path (``docs/zero.md``).
+        reduce_dtype: the dtype ZeRO stages 2 and 3 reduce-scatter gradients in
+            (``'float32'`` under bf16 parameters); None: the parameters' dtype.
         use_end2end: the module returns its loss first; train with ``train_step``.
         inference_only: generate code for inference only (no gradient reducers).
         constant_folding: kept for nnScaler compatibility (recorded, compared for reuse):
@@ -399,8 +339,9 @@ class ComputeConfig:
     _: KW_ONLY
     use_zero: bool = field(default=None, metadata=_check(_bool_or_none))  # type: ignore[assignment]
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
-    zero_stage: int | None = field(default=None, metadata=_check(_zero_stage))
-    zero_units: Sequence[str] = field(default=(), metadata=_check(_zero_units))
+    zero_stage: int | None = field(default=None, metadata=_check(check_zero_stage))
+    zero_units: Sequence[str] = field(default=(), metadata=_check(check_zero_units))
+    reduce_dtype: str | None = field(default=None, metadata=_check(check_reduce_dtype))
     use_end2end: bool = field(default=False, metadata=_check(_bool))
     inference_only: bool = field(default=False, metadata=_check(_bool))
     constant_folding: bool = field(default=True, metadata=_check(_bool))
@@ -444,6 +385,11 @@ class ComputeConfig:
                 f"multiple such as {_near_multiples(self.runtime_ngpus, self.plan_ngpus)}"
             )
         object.__setattr__(self, "zero_units", tuple(self.zero_units))
+        stage = self.reducer.zero_stage
+        if self.reduce_dtype is not None and stage < 2:
+            raise ComputeConfigError(f"ComputeConfig.reduce_dtype={self.reduce_dtype!r} is the "
+                                     f"dtype of ZeRO stage 2 and 3's reduce-scatter, but "
+                                     f"zero_stage is {stage}; set zero_stage=2 or 3")
         if self.zero_units and self.zero_stage != 3:
             raise ComputeConfigError(f"ComputeConfig.zero_units names ZeRO stage 3's units, but "
                                      f"zero_stage is {self.zero_stage}; set zero_stage=3")
@@ -485,7 +431,8 @@ class ComputeConfig:
         return ReducerConfig(use_zero=self.use_zero, zero_ngroups=self.zero_ngroups,
                              async_op=self.use_async_reducer, bucket_cap_mb=self.bucket_cap_mb,
                              zero_stage=self.zero_stage,  # None: follows use_zero
-                             zero_units=tuple(self.zero_units))
+                             zero_units=tuple(self.zero_units),
+                             reduce_dtype=self.reduce_dtype)
 
     @property
     def tracing(self) -> TracingConfig:

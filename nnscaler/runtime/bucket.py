@@ -111,10 +111,11 @@ class Bucket:
         for i, view in enumerate(self.grad_views()):
             self.adopt_grad(i, view)
 
-    def pack_grads(self) -> torch.Tensor:
-        """Stage 2: the parameters' gradients in one new flat tensor (zero where a
-        gradient is None); the parameters' ``.grad`` become None."""
-        flat = torch.zeros(self.padded_numel, dtype=self.params[0].dtype,
+    def pack_grads(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stage 2: the parameters' gradients in one new flat tensor of ``dtype`` (None:
+        the parameters'; zero where a gradient is None); the parameters' ``.grad``
+        become None."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype or self.params[0].dtype,
                            device=self.params[0].device)
         for p, off in zip(self.params, self.offsets):
             if p.grad is not None:

@@ -289,11 +289,6 @@ class ParallelModule(torch.nn.Module):
         cfg = ReducerConfig.from_options(self.reducer_config)
         zero, ngroups, async_op, cap = cfg.use_zero, cfg.zero_ngroups, cfg.async_op, cfg.bucket_cap_mb
         async_op = async_op or cfg.zero_stage >= 2  # stage 2 reduces from gradient hooks
-        if cfg.zero_stage >= 3 and self.pipeline is not None:
-            raise ParallelModuleError(
-                f"{type(self).__qualname__}: zero_stage=3 does not run with pipeline stages "
-                f"yet; use zero_stage=2 (gradients and optimizer state sharded) with a pipeline"
-            )
         units: dict[str, list[torch.nn.Parameter]] = {}  # stage 3's gathering units
         by_holders: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
         for attr, meta in self.fullmap.items():
@@ -315,10 +310,32 @@ class ParallelModule(torch.nn.Module):
             self._reducers.append(Reducer(
                 params, holders, bucket_cap_mb=cap, async_op=async_op, zero=zero,
                 zero_ngroups=ngroups if len(holders) > 1 else 1, process_group=group,
-                zero_stage=cfg.zero_stage, units=list(units.items()),
+                zero_stage=self._stage_of(holders, cfg.zero_stage), units=list(units.items()),
+                reduce_dtype=None if cfg.reduce_dtype is None else getattr(torch, cfg.reduce_dtype),
             ))
         if cfg.zero_stage >= 3:
-            self._zero3 = Zero3Runner(self._reducers)
+            self._start_zero3()
+
+    def _start_zero3(self) -> None:
+        """Stage 3: the runner that gathers units; recomputed pieces gather again in
+        backward; a pipeline's gradients accumulate over the micro-batches of a step
+        and are reduce-scattered once, in the last one's backward (docs/zero.md)."""
+        runner = self._zero3 = Zero3Runner([r for r in self._reducers if r.stage >= 3])
+        for name in dir(type(self)):
+            if name.startswith("_recompute_"):  # an instance attribute shadows the method
+                setattr(self, name, runner.recomputing(getattr(self, name)))
+        for r in runner.reducers:
+            r.hold_in_no_sync = self.pipeline is not None
+
+    def _stage_of(self, holders: tuple[int, ...], stage: int) -> int:
+        """The ZeRO stage of the reducer over ``holders``: a pipeline's piece held by
+        several ranks of a scale unit (a weight tied across stages, a replicated piece
+        under ``hybrid``) keeps its parameters whole (stage 2): its ranks run different
+        stages at different times, and a gather needs them all at once."""
+        units = {h // self.plan_ngpus for h in holders}
+        if stage >= 3 and self.pipeline is not None and len(units) < len(holders):
+            return 2
+        return stage
 
     # -- the optimizer's view -----------------------------------------------------------
     @property

@@ -294,6 +294,9 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.fns = {s: getattr(module, f"_stage_{s}") for s in spec.stages}
         self.sending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, their tensors
+        # ZeRO stage 3: each stage's last backward of the step reduce-scatters
+        self.last_backward = {(a.micro, a.stage) for a in
+                              {a.stage: a for a in spec.schedule if isinstance(a, Backward)}.values()}
 
     def wait_sends(self) -> None:
         for work, _ in self.sending:
@@ -319,7 +322,7 @@ class _Run:
             if isinstance(action, Forward):
                 self.forward(action.micro, action.stage)
             elif isinstance(action, Backward):
-                self.backward(action.micro, action.stage)
+                self.backward_step(action.micro, action.stage)
             else:
                 raise PipelineError(f"unknown pipeline action {action!r}")
             if record is not None:
@@ -347,7 +350,9 @@ class _Run:
 
     def forward(self, m: int, s: int) -> None:
         inputs = self._stage_inputs(m, s)
-        out = self.fns[s](self.samples[m], *inputs)
+        zero3 = self.module._zero3  # stage 3: units gathered as the stage reads them
+        with zero3.forward() if zero3 is not None else contextlib.nullcontext():
+            out = self.fns[s](self.samples[m], *inputs)
         if s != self.spec.last:
             if not isinstance(out, tuple):
                 raise PipelineError(f"_stage_{s} must return a tuple of the pieces it sends, "
@@ -366,6 +371,21 @@ class _Run:
             self.losses[m] = loss
         else:
             self.inputs.pop((m, s), None)
+
+    def backward_step(self, m: int, s: int) -> None:
+        """`backward`; with ZeRO stage 3 the gradients stay whole (no_sync) until the
+        stage's last micro-batch, whose backward reduce-scatters them, and the units the
+        backward gathered are freed after it."""
+        zero3 = self.module._zero3
+        if zero3 is None:
+            self.backward(m, s)
+            return
+        with contextlib.ExitStack() as stack:
+            if (m, s) in self.last_backward:
+                for r in self.module.reducers:
+                    stack.enter_context(r.syncing())
+            self.backward(m, s)
+        zero3.end_backward()
 
     def backward(self, m: int, s: int) -> None:
         key = (m, s)

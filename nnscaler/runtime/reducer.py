@@ -96,6 +96,8 @@ class Reducer:
             by `nnscaler.runtime.zero3.Zero3Runner`.
         units: stage 3: ``(name, params)`` per gathering unit, in forward order (the
             parameters of ``params`` not listed fall into the rest unit, ``''``).
+        reduce_dtype: stages 2 and 3: the dtype gradients are packed and reduce-scattered
+            in (None: the parameters'); the shards add them up in fp32 either way.
         zero_ngroups: split ``ranks`` into this many groups; state is sharded within a group
             and replicated across groups.
         process_group: group over ``ranks`` (created when None).
@@ -113,21 +115,10 @@ class Reducer:
         process_group: dist.ProcessGroup | None = None,
         zero_stage: int | None = None,
         units: Sequence[tuple[str, Sequence[torch.nn.Parameter]]] = (),
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.ranks = tuple(sorted(ranks))
-        if not self.ranks:
-            raise ValueError("ranks must name at least one rank, got an empty list")
-        if len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"ranks must be distinct, got {list(self.ranks)}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; the default is "
-                             f"{DEFAULT_BUCKET_CAP_MB}")
-        self.rank = dist.get_rank() if dist.is_initialized() else self.ranks[0]
-        if self.rank not in self.ranks:
-            raise ValueError(
-                f"this process (rank {self.rank}) is not in the reducer's ranks {list(self.ranks)}; "
-                "create a Reducer only on its member ranks"
-            )
+        self.rank = self._check_ranks(self.ranks, bucket_cap_mb)
         self.bucket_cap_mb = float(bucket_cap_mb)
         stage = (1 if zero else 0) if zero_stage is None else int(zero_stage)
         if stage not in (0, 1, 2, 3) or (stage >= 1) != bool(zero):
@@ -136,6 +127,16 @@ class Reducer:
                 f"zero_stage={zero_stage}; pass zero=True, zero_stage=2 for stage 2"
             )
         self.stage = stage
+        if reduce_dtype is not None and stage < 2:
+            raise ValueError(f"reduce_dtype={reduce_dtype} applies to zero_stage 2 and 3 (the "
+                             f"reduce-scattered gradients), got zero_stage={stage}")
+        self.reduce_dtype = reduce_dtype
+        #: stage 3 in a pipeline: inside no_sync, gradients accumulate whole and the
+        #: reduce-scatter waits for the step's last backward (see `end_backward`)
+        self.hold_in_no_sync = False
+        self._used: dict[int, set[int]] = {}  # held backward: bucket -> params done
+        #: how a stage-3 unit is freed (`nnscaler.runtime.zero3.Zero3Runner` sets it)
+        self.release_unit: Callable[[Bucket], None] = free_unit
         self.async_op = async_op or stage >= 2  # stage 2 launches from gradient hooks
         self.zero = zero
         self.zero_ngroups = zero_ngroups
@@ -180,6 +181,24 @@ class Reducer:
         if self.async_op:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @staticmethod
+    def _check_ranks(ranks: tuple[int, ...], bucket_cap_mb: float) -> int:
+        """This process's rank, after checking ``ranks`` and the bucket size."""
+        if not ranks:
+            raise ValueError("ranks must name at least one rank, got an empty list")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must be distinct, got {list(ranks)}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; the default is "
+                             f"{DEFAULT_BUCKET_CAP_MB}")
+        rank = dist.get_rank() if dist.is_initialized() else ranks[0]
+        if rank not in ranks:
+            raise ValueError(
+                f"this process (rank {rank}) is not in the reducer's ranks {list(ranks)}; "
+                "create a Reducer only on its member ranks"
+            )
+        return rank
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, nshards: int, shard_index: int) -> list[Bucket]:
@@ -278,20 +297,48 @@ class Reducer:
         """Stage 2: a gradient is complete; launch every bucket, in order, whose
         gradients all are (``no_sync`` does not delay it), and finish all but the newest
         launch so that at most two transient buffers live."""
-        bucket.ready.add(pi)
         self._round_open = True
+        if self.hold_in_no_sync and self._no_sync:
+            self._hold(bucket, pi)
+            return
+        bucket.ready.add(pi)
         while self._next_launch < len(self.buckets) and len(
             self.buckets[self._next_launch].ready
         ) == len(self.buckets[self._next_launch].params):
             self._launch(self.buckets[self._next_launch], async_op=True)
             if self.stage >= 3:  # its gradients are all out: backward is done with it
-                free_unit(self.buckets[self._next_launch])
+                self.release_unit(self.buckets[self._next_launch])
             self._next_launch += 1
             while len(self._in_flight) > 1:
                 self._finish(self._in_flight[0])
         if self._next_launch == len(self.buckets):  # the next backward starts a new round
             self._next_launch = 0
             self._round_open = False
+
+    def _hold(self, bucket: Bucket, pi: int) -> None:
+        """A held backward produced a gradient: it stays in ``.grad`` (summed over the
+        micro-batches); a unit whose gradients are all produced is done for this
+        backward and freed."""
+        bi, _ = self._where[id(bucket.params[pi])]
+        used = self._used.setdefault(bi, set())
+        used.add(pi)
+        if len(used) == len(bucket.params):
+            self.release_unit(bucket)
+            used.clear()
+
+    def end_backward(self) -> None:
+        """A backward is over: forget which gradients the held backward produced."""
+        self._used.clear()
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """Inside a `no_sync` block, a backward that launches its reductions (a
+        pipeline's last micro-batch of a stage)."""
+        prev, self._no_sync = self._no_sync, False
+        try:
+            yield
+        finally:
+            self._no_sync = prev
 
     # ------------------------------------------------------------------ communication
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
@@ -322,7 +369,7 @@ class Reducer:
     def _launch_stage2(self, bucket: Bucket, async_op: bool) -> None:
         if bucket.launched:  # still reducing the previous backward's gradients
             self._finish_stage2(bucket)
-        flat = bucket.pack_grads()
+        flat = bucket.pack_grads(self.reduce_dtype)
         for fn in self._pre_hooks:
             fn(flat)
         bucket.launched = True
@@ -364,7 +411,7 @@ class Reducer:
             for bucket in self.buckets[self._next_launch :]:
                 self._launch(bucket, async_op=False)
                 if self.stage >= 3:
-                    free_unit(bucket)
+                    self.release_unit(bucket)
         while self._in_flight:
             self._finish_stage2(self._in_flight[0])
         for bucket in self.buckets:
@@ -452,7 +499,11 @@ class Reducer:
     def gather_params(self) -> None:
         """After ``optimizer.step()`` with zero: all-gather the updated shards into the full
         parameters of every rank of the zero group. No-op without zero."""
-        if not self.zero or self.stage >= 3:  # stage 3 gathers when a unit is used
+        if self.stage >= 3:  # gathered when used; a unit kept gathered would be stale
+            for bucket in self.buckets:
+                free_unit(bucket)
+            return
+        if not self.zero:
             return
         with torch.no_grad():
             for bucket in self.buckets:
@@ -506,5 +557,7 @@ class Reducer:
         return (
             f"Reducer(ranks={list(self.ranks)}, params={len(self.params)}, buckets={len(self.buckets)}, "
             f"async_op={self.async_op}, zero={self.zero}, zero_ngroups={self.zero_ngroups}, "
-            f"zero_stage={self.stage})"
+            f"zero_stage={self.stage}"
+            + (f", reduce_dtype={self.reduce_dtype}" if self.reduce_dtype is not None else "")
+            + ")"
         )

@@ -22,13 +22,22 @@ and frees the unit's parameters once its gradients are launched: they are not ne
 again in that backward (autograd accumulates a parameter's gradient after every use).
 Outside forward and backward every unit is freed; `gathered` gives the whole parameters
 for a while (``state_dict()`` and ``load_state_dict()`` use it). See ``docs/zero.md``.
+
+Recomputation (`Zero3Runner.recomputing` wraps each generated ``_recompute_*`` method):
+a checkpointed piece's forward runs under the same hooks; when backward runs it again
+it gathers the units it reads once more and keeps them until their gradients are out
+(the recomputed tensors saved for backward are plain views of the unit, so nothing frees
+a unit on the way). Pipelines (`Zero3Runner.end_backward`, called after each
+micro-batch's backward) free what a backward left gathered; `kept_gathered` keeps every
+unit gathered across the micro-batches of a step instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,8 +51,8 @@ if TYPE_CHECKING:
     from nnscaler.runtime.module import ParallelModule
     from nnscaler.runtime.reducer import Bucket, Reducer
 
-__all__ = ["Zero3Runner", "check_units", "free_unit", "gather_unit", "gathered", "unit_of",
-           "wait_unit"]
+__all__ = ["Zero3Runner", "check_units", "free_unit", "gather_unit", "gathered",
+           "kept_gathered", "unit_of", "wait_unit"]
 
 
 def check_units(units: Sequence[str], param_names: Iterable[str]) -> None:
@@ -129,9 +138,10 @@ class _Saved:
 
 
 class _GatherMode(TorchFunctionMode):
-    def __init__(self, runner: Zero3Runner) -> None:
+    def __init__(self, runner: Zero3Runner, recompute: bool = False) -> None:
         super().__init__()
         self.runner = runner
+        self.use = runner.use_recompute if recompute else runner.use_forward
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -140,7 +150,7 @@ class _GatherMode(TorchFunctionMode):
             if isinstance(x, torch.Tensor):
                 found = self.runner.param_bucket.get(id(x))
                 if found is not None:
-                    self.runner.use_forward(*found)
+                    self.use(*found)
         return func(*args, **kwargs)
 
 
@@ -162,6 +172,10 @@ class Zero3Runner:
         self._seen: list[Bucket] = []
         self._current: Bucket | None = None  # the block forward is in
         self._backward_at: Bucket | None = None  # the block backward is in
+        self._in_forward = False
+        self.keep = False  # `kept_gathered`: no unit is freed until the block ends
+        for r in reducers:
+            r.release_unit = self.release  # type: ignore[method-assign]
         self.free_all()
 
     # -- gathering ----------------------------------------------------------------------
@@ -181,12 +195,52 @@ class Zero3Runner:
             self._seen.append(bucket)
         if bucket is not self._current and bucket.unit:  # forward moves to another block
             if self._current is not None:
-                free_unit(self._current)
+                self.release(self._current)
             self._current = bucket
             gather_unit(reducer, bucket)
             self._prefetch_after(bucket, +1)
         gather_unit(reducer, bucket)  # a no-op when gathered (or being gathered)
         wait_unit(bucket)
+
+    def use_recompute(self, reducer: Reducer, bucket: Bucket) -> None:
+        """Backward recomputes a checkpointed piece that reads ``bucket``'s parameters:
+        gather it (prefetching the unit before it) and keep it; the tensors the piece
+        saves are plain views of it, so it stays until its gradients are launched."""
+        if bucket is not self._backward_at and bucket.unit:
+            self._backward_at = bucket
+            gather_unit(reducer, bucket)
+            self._prefetch_after(bucket, -1)
+        gather_unit(reducer, bucket)
+        wait_unit(bucket)
+
+    def recomputing(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a generated ``_recompute_*`` method, run by
+        ``torch.utils.checkpoint.checkpoint``) gathering the units it reads when backward
+        runs it again; inside a forward it runs as it is (the forward's hooks see it)."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self._in_forward:
+                return fn(*args, **kwargs)
+            with _GatherMode(self, recompute=True):
+                return fn(*args, **kwargs)
+
+        return run
+
+    def release(self, bucket: Bucket) -> None:
+        """Free ``bucket`` unless `kept_gathered` holds every unit."""
+        if not self.keep:
+            free_unit(bucket)
+
+    def end_backward(self) -> None:
+        """After one backward (a pipeline's micro-batch): free the units it gathered
+        whose gradients it did not launch (they accumulate until the step's last
+        micro-batch)."""
+        self._backward_at = None
+        for r in self.reducers:
+            r.end_backward()
+        if not self.keep:
+            self.free_all()
 
     def _pack(self, t: torch.Tensor) -> Any:
         found = self.storage_bucket.get(t.untyped_storage()._cdata)
@@ -212,13 +266,16 @@ class Zero3Runner:
         """Run a forward of the generated code: gather units as they are used, save
         parameters for backward as references to their unit, free all at the end."""
         self._seen, self._current, self._backward_at = [], None, None
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     _GatherMode(self):
                 yield
         finally:
+            self._in_forward = False
             self.order = list(self._seen)
-            self.free_all()
+            if not self.keep:
+                self.free_all()
 
     def free_all(self) -> None:
         for r in self.reducers:
@@ -248,3 +305,26 @@ def gathered(pm: ParallelModule, write: bool = False) -> Iterator[None]:
                 r.refresh_shards()
     finally:
         runner.free_all()
+
+
+@contextlib.contextmanager
+def kept_gathered(pm: ParallelModule) -> Iterator[None]:
+    """Inside, the units of a stage-3 module stay gathered once used, across the
+    forwards and backwards of several micro-batches (one gather per unit instead of two
+    per micro-batch, for the memory of the whole parameters); all are freed on the way
+    out. Nothing to do for other stages::
+
+        with kept_gathered(model):
+            model.train_step(micro_batches)
+    """
+    runner: Zero3Runner | None = getattr(pm, "_zero3", None)
+    if runner is None:
+        yield
+        return
+    prev, runner.keep = runner.keep, True
+    try:
+        yield
+    finally:
+        runner.keep = prev
+        if not prev:
+            runner.free_all()

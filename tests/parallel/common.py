@@ -119,6 +119,7 @@ class Case:
     zero_stage: int | None = None
     zero_ngroups: int = 1
     zero_units: tuple[str, ...] = ()
+    recompute: bool = False  # every GPT block recomputed (graph.recompute after the policy)
 
     @property
     def units(self) -> int:
@@ -133,8 +134,29 @@ class Case:
             flags.append(f"ng{self.zero_ngroups}")
         if self.zero_units:
             flags.append(f"units{len(self.zero_units)}")
+        if self.recompute:
+            flags.append("recompute")
         return (f"{self.kind}-{self.policy}-p{self.plan_ngpus}r{self.runtime_ngpus}"
                 + ("-" + "-".join(flags) if flags else "") + f"-mb{self.micro}")
+
+    def plan(self) -> Any:
+        """The policy to parallelize with: ``policy``, with every block recomputed when
+        ``recompute``."""
+        if not self.recompute:
+            return self.policy
+        from nnscaler.policies import data, tp
+
+        base = {"dp": data, "tp": tp}[self.policy]
+
+        def recompute_blocks(graph: Any, config: Any) -> Any:
+            graph = base(graph, config)
+            blocks = {".".join(op.module_path.split(".")[:3]) for op in graph.ops
+                      if op.module_path.startswith("gpt.blocks.")}
+            for block in sorted(blocks):
+                graph.recompute(block)
+            return graph
+
+        return recompute_blocks
 
     def compute_config(self) -> Any:
         from nnscaler import ComputeConfig

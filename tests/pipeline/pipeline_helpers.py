@@ -39,6 +39,7 @@ from nnscaler.graph import IRGraph  # noqa: E402
 from nnscaler.ir import Graph  # noqa: E402
 from nnscaler.models import MLP, GPTConfig, GPTWithLoss, MLPConfig  # noqa: E402
 from nnscaler.models import gpt as gpt_module  # noqa: E402
+from nnscaler.runtime.zero3 import gathered  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
 from nnscaler.trace import trace  # noqa: E402
 
@@ -214,7 +215,8 @@ def _worker(rank: int, world: int, outdir: str, data: list, plan_ngpus: int,
             synced = _grads(m)
         opt.step()
         m.gather_params()
-    params = {a: p.detach().clone() for a, p in m.named_parameters()}
+    with gathered(m):  # ZeRO stage 3: the parameters hold values only when gathered
+        params = {a: p.detach().clone() for a, p in m.named_parameters()}
     return {"losses": losses, "fullmap": m.fullmap, "raw": raw, "synced": synced,
             "params": params, "times": times}
 

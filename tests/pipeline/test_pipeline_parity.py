@@ -65,11 +65,13 @@ def test_first_and_last_layer_share_a_weight(tmp_path, policy, plan_ngpus):
     assert len(first[shared[0]].holders) == 2  # one device of each stage
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gpt_with_zero_and_async_reducer(tmp_path, stage):
     """ZeRO (the tied embedding's optimizer state sharded over both stages; stage 2: the
-    gradients too, reduce-scattered after each micro-batch's backward) and the
-    asynchronous reducer (which only accumulates during the schedule) keep parity."""
+    gradients too, reduce-scattered after each micro-batch's backward; stage 3: each
+    stage's parameters sharded over its replicas, gathered per micro-batch, gradients
+    reduce-scattered once, in the last micro-batch's backward) and the asynchronous
+    reducer (which only accumulates during the schedule) keep parity."""
     cfg = config(2, 4, pipeline_nmicros=4, pipeline_scheduler="1f1b")
     cfg.use_zero, cfg.use_async_reducer, cfg.reducer_bucket_cap_mb = True, True, 0.0005
     cfg.zero_stage = stage

@@ -1,0 +1,76 @@
+"""ZeRO stage 3 under a pipeline (2 stages on 2 processes, 1F1B): what is gathered per
+micro-batch, that each stage-3 unit's gradients are reduce-scattered once per step (in
+the last micro-batch's backward), and `kept_gathered`, which gathers each unit once per
+step instead. The 4-process parity run (pp x dp) is in test_pipeline_parity.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from dist_utils import run_distributed
+from pipeline_helpers import generate, micro_batches, plan
+
+from nnscaler.codegen import load_generated_class
+from nnscaler.policies import pp
+
+NMICROS = 4
+
+
+def _worker(rank: int, world: int, outdir: str, data: list) -> dict:
+    from nnscaler.runtime import zero3
+    from nnscaler.runtime.reducer import Reducer
+
+    m = load_generated_class(outdir, rank)(init_params=True)
+    launches: list[tuple[int, str]] = []
+    gathers: list[str] = []
+    most = [0]
+    buckets = [b for r in m.reducers if r.stage == 3 for b in r.buckets]
+    launch, gather = Reducer._launch_stage2, zero3.gather_unit
+
+    def counting_launch(self, bucket, async_op):
+        launches.append((self.stage, bucket.unit))
+        launch(self, bucket, async_op)
+
+    def counting_gather(reducer, bucket, async_op=False):
+        if not bucket.gathered:
+            gathers.append(bucket.unit)
+        gather(reducer, bucket, async_op)
+        most[0] = max(most[0], sum(b.gathered for b in buckets))
+
+    Reducer._launch_stage2 = counting_launch
+    zero3.gather_unit = counting_gather
+    out = {"units": sorted(b.unit for b in buckets)}
+    for mode in ("per_micro_batch", "kept"):
+        launches.clear()
+        gathers.clear()
+        most[0] = 0
+        if mode == "kept":
+            with zero3.kept_gathered(m):
+                m.train_step(data[0])
+        else:
+            m.train_step(data[0])
+        m.sync_grad()
+        assert not any(b.gathered for b in buckets)  # freed after the step
+        out[mode] = {"launches": sorted(u for s, u in launches if s == 3),
+                     "gathers": len(gathers), "most": most[0]}
+    return out
+
+
+def test_stage3_reduces_once_per_step_and_gathers_per_micro_batch(tmp_path):
+    cfg = SimpleNamespace(plan_ngpus=2, runtime_ngpus=2, use_end2end=True, use_zero=True,
+                          zero_stage=3, pas_config={"pipeline_nmicros": NMICROS,
+                                                    "pipeline_scheduler": "1f1b"})
+    outdir = generate(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
+    data = [micro_batches("gpt", 1, NMICROS)[0]]
+    results = run_distributed(_worker, 2, str(outdir), data)
+    for rank, res in enumerate(results):
+        units = res["units"]
+        blocks = [u for u in units if u]
+        assert len(blocks) == 2, units  # each stage shards its own two blocks
+        for mode in ("per_micro_batch", "kept"):
+            assert res[mode]["launches"] == units, (rank, mode)  # once per step
+        # every block: gathered in each forward and each backward of each micro-batch
+        assert res["per_micro_batch"]["gathers"] == 2 * NMICROS * len(units)
+        assert res["per_micro_batch"]["most"] <= 3
+        assert res["kept"]["gathers"] == len(units)  # once per step
+        assert res["kept"]["most"] == len(units)
