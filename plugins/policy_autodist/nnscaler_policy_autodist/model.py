@@ -128,11 +128,14 @@ class CostModel:
                  zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
                  allowed: dict[int, set] | None = None, max_degree: int | None = None,
                  micro_batches: int = 1, share: float = 1.0,
-                 overlap_grads: bool = False, unit: int | None = None) -> None:
+                 overlap_grads: bool = False, unit: int | None = None,
+                 zero_stage: int | None = None) -> None:
         self.profiler = profiler
         self.comm = comm
         self.units = units
-        self.zero = zero
+        #: the ZeRO stage (docs/zero.md); ``zero`` alone means stage 1, as in nnScaler
+        self.stage = int(zero) if zero_stage is None else zero_stage
+        self.zero = self.stage >= 1
         self.opt_state = opt_state
         self.recompute = recompute  # oids of ops whose activations are recomputed
         self.allowed = allowed or {}  # oid -> allowed {(idx, dim) | 'replicate'}
@@ -186,6 +189,8 @@ class CostModel:
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
         comm = self.part_comm(op, t, k, grads)
         grad_sum = 0.0  # seconds a step spends summing this op's weights' gradients
+        rs_sum = 0.0  # seconds a micro-batch reduce-scatters them (ZeRO 2 and 3)
+        gather_sum = 0.0  # seconds a micro-batch gathers the weights (ZeRO 3)
         mem = 0.0
         transient = 0.0
         seen: set[FullTensor] = set()
@@ -203,26 +208,30 @@ class CostModel:
                 comm += self.move(full, canon, need, grad)
                 piece = (full.numel if need is None else need.piece_numel) * full.dtype.itemsize
                 if full.requires_grad:
-                    opt = self.opt_state * piece / (self.units if self.zero else 1)
-                    if self.zero:  # the shard the optimizer steps, and its gradient
-                        opt += 2 * piece / self.units
-                    mem += 2 * piece + opt + self._held_for_step(piece)
-                    transient = max(transient, self._step_temporaries(piece))
+                    r = 1 if need is None else need.r
+                    held, brief = self._weight_bytes(piece)
+                    mem += held
+                    transient = max(transient, brief)
                     # the optimizer's step over the piece (its shard under ZeRO)
                     compute += self.profiler.optimizer_time(
                         piece / (self.units if self.zero else 1),
                         self.opt_state) / self.micro_batches
                     # the runtime sums a piece's gradient over every rank holding it:
                     # its replicas in the unit (a replicated op's too: its output's
-                    # gradient may arrive in partial sums) in every scale unit, in one
-                    # all-reduce
-                    holders = (1 if need is None else need.r) * self.units
-                    grad_sum += self.comm.allreduce_time(
-                        piece, holders, cross=self.units * k > self.comm.spec.per_node,
-                        local=self._local(1 if need is None else need.r, k))
+                    # gradient may arrive in partial sums) in every scale unit
+                    ring = self.comm.allreduce_time(
+                        piece, r * self.units, cross=self.units * k > self.comm.spec.per_node,
+                        local=self._local(r, k))
+                    step_sum, micro_sum, gathers = self._zero_comm(ring)
+                    grad_sum += step_sum
+                    rs_sum += micro_sum
+                    gather_sum += gathers
                 else:
                     mem += piece
-        comm += self._exposed(grad_sum, bw if grads else 0.0) / self.micro_batches
+        back = bw if grads else 0.0
+        comm += self._exposed(grad_sum, back) / self.micro_batches
+        comm += max(0.0, rs_sum - back)  # from backward's hooks, on the reducer's stream
+        comm += max(0.0, gather_sum - fw - back)  # prefetched while the ops before compute
         act = 0.0
         if grads and not recomputed:
             for full, lay in writes:
@@ -258,6 +267,34 @@ class CostModel:
             total += once * (2 if grads and call.backward else 1)
         return total
 
+    def _weight_bytes(self, piece: float) -> tuple[float, float]:
+        """(bytes held, bytes held briefly) for a weight piece of ``piece`` bytes under
+        the ZeRO stage (docs/zero.md), ``n`` the scale units it is sharded over: stage 0
+        the weights, the gradient and ``opt_state`` states; stage 1 the weights and the
+        gradient, the states, the fp32 shard and its gradient over ``n``; stage 2 the
+        weights, the rest over ``n``; stage 3 everything over ``n``, the piece and its
+        gradient gathered while its op runs (briefly). Plus the optimizer's temporaries
+        (`_held_for_step`, `_step_temporaries`)."""
+        n = self.units if self.zero else 1
+        sharded = (self.opt_state + (2 if self.zero else 0)) * piece / n
+        whole = {0: 2 * piece, 1: 2 * piece, 2: piece, 3: 0.0}[self.stage]
+        brief = self._step_temporaries(piece)
+        if self.stage == 3:
+            brief = max(brief, 2 * piece)
+        return whole + sharded + self._held_for_step(piece), brief
+
+    def _zero_comm(self, ring: float) -> tuple[float, float, float]:
+        """The gradient sum of a weight piece whose all-reduce over its holders takes
+        ``ring`` seconds, by ZeRO stage: (seconds once a step, seconds each micro-batch
+        while backward runs, seconds each micro-batch gathering the weights). Stages 0
+        and 1 all-reduce once a step (a reduce-scatter and an all-gather, the same
+        bytes); stage 2 reduce-scatters every micro-batch from backward's hooks (half
+        the all-reduce) and all-gathers the updated shards once a step; stage 3 also
+        gathers the weights before forward and again before backward (half each)."""
+        if self.stage <= 1:
+            return ring, 0.0, 0.0
+        return ring / 2, ring / 2, (ring if self.stage == 3 else 0.0)
+
     def _local(self, replicas: int, k: int) -> int:
         """Devices in one node of the group that sums a weight piece's gradient: its
         ``replicas`` in a stage of ``k`` devices, times the scale units that share a
@@ -276,7 +313,7 @@ class CostModel:
         summed while a layer's worth of backward runs, so this is counted per op as the
         part of its sum longer than its own backward (of the last micro-batch: the
         earlier ones only accumulate)."""
-        if not self.overlap_grads:
+        if not self.overlap_grads or self.stage >= 2:  # ZeRO 2+: the gather after the step
             return grad_sum
         return max(0.0, grad_sum - backward)
 

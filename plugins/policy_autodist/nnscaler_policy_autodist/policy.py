@@ -67,6 +67,9 @@ class AutoDistResult:
     profiled: int
     #: ``plan_ngpus='auto'``: every mesh searched, best (the chosen one) first
     meshes: tuple[Mesh, ...] = ()
+    #: the ZeRO stage the estimate counts (`ComputeConfig.reducer`), over ``replicas``
+    zero_stage: int = 0
+    replicas: int = 1
 
 
 def _recompute_paths(graph: IRGraph, names: tuple[str, ...]) -> list[str]:
@@ -166,7 +169,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     allowed = load_constraints(cfg.partition_constraints_path, g)
     nmicros = cfg.pipeline_nmicros or 1
     models = {n: CostModel(profiler=profiler, comm=CommModel(spec), units=runtime // n,
-                           zero=zero, recompute=recompute, allowed=allowed,
+                           zero=zero, zero_stage=config.reducer.zero_stage,
+                           recompute=recompute, allowed=allowed,
                            max_degree=cfg.max_partition_degree,
                            micro_batches=nmicros * cfg.update_freq,
                            share=core_share() if here else 1.0,
@@ -199,7 +203,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     result = AutoDistResult(config=cfg, plan_ngpus=n, pipeline=pipe, problems=tuple(problems),
                             solutions=tuple(solutions), limit=limit,
                             search_seconds=time.perf_counter() - t0, profiled=profiler.profiled,
-                            meshes=meshes)
+                            meshes=meshes, zero_stage=config.reducer.zero_stage or 0,
+                            replicas=runtime // n)
     if cfg.task_name is not None:
         logger.info("autodist plan of task %r:", cfg.task_name)
     logger.info("%s", report.text(result))

@@ -29,6 +29,8 @@ def text(result: AutoDistResult, top: int = TOP) -> str:
         f"{pipe.k} device(s), {pipe.nmicros} micro-batch(es), searched in "
         f"{result.search_seconds:.2f} s ({result.profiled} op parts profiled, the rest "
         f"cached or estimated)",
+        f"  data parallel over {result.replicas} scale unit(s), ZeRO stage "
+        f"{result.zero_stage} (counted in the memory and the step time)",
         f"  estimated step time {_ms(pipe.step_time)}"
         + (f" ({pipe.scheduler}: sum of stages + (micro-batches - 1) x slowest)"
            if pipe.nstages > 1 else ""),

@@ -219,6 +219,7 @@ def test_report_is_logged(gpt, tmp_path, caplog):
     text = caplog.text
     assert "estimated step time" in text and "communication" in text
     assert "GB per device (limit" in text and "gpt.py:" in text
+    assert "data parallel over 1 scale unit(s), ZeRO stage 0" in text
 
 
 def test_plan_for_a_named_device_needs_no_profiling(gpt, tmp_path):
