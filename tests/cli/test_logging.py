@@ -16,6 +16,7 @@ from .common import MoEMLP, TokenMLP, run_trainer, trainer_args
 
 class Recorder(LoggerBase):
     records: list = []  # noqa: RUF012 - shared with the test
+    values: list = []  # noqa: RUF012 - the metrics logged, with their values
 
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
@@ -25,6 +26,7 @@ class Recorder(LoggerBase):
 
     def log_metrics(self, metrics, step, *, tag="train"):
         Recorder.records.append((tag, step, sorted(metrics)))
+        Recorder.values.append(dict(metrics))
 
     def finalize(self):
         Recorder.records.append(("finalize",))
@@ -82,6 +84,29 @@ def test_moe_routing_is_logged_each_step(tmp_path, fresh_plugins, monkeypatch):
     moe = [k for k in first[2] if k.startswith("moe/")]
     assert moe == sorted([f"moe/moe/expert{e}" for e in range(4)]
                          + ["moe/moe/device0", "moe/moe/dropped", "moe/moe/imbalance"])
+
+
+def _dp_recomputing_every_op(graph, config):
+    from nnscaler.policies import dp
+
+    graph = dp(graph, config)
+    graph.recompute(list(graph.nodes()))
+    return graph
+
+
+def test_a_recomputed_moe_layer_is_logged_once_per_call(tmp_path, fresh_plugins, monkeypatch):
+    """Recomputation replays the experts in backward; the step's counts are those of the
+    forward alone."""
+    monkeypatch.setattr(fresh_plugins, "_MANAGER",
+                        fresh_plugins.NNScalerPluginManager(plugins=[RecorderPlugin()]))
+    Recorder.values = []
+    run_trainer(trainer_args(tmp_path, max_train_steps=1, log_every_n_steps=1, model=MoEMLP,
+                             pas_policy=_dp_recomputing_every_op, instance_name="recomputed",
+                             log=[LogConfig(type="recorder")]))
+    gencode = next((tmp_path / "gen").rglob("gencode0.py")).read_text()
+    assert "torch.utils.checkpoint.checkpoint(" in gencode
+    pairs = sum(v for k, v in Recorder.values[0].items() if k.startswith("moe/moe/expert"))
+    assert pairs == 8 * 2  # a step of 8 samples (2 micro-batches of 4), top-2
 
 
 def test_routing_metrics_sum_micro_batches_per_layer():

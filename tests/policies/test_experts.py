@@ -39,7 +39,8 @@ def _reference(kind: str, model_kw: dict, data: list) -> dict:
 
 
 def _recompute_moe_layers(graph, config):
-    """The ``data`` plan with every MoE block (router, experts, shared expert) recomputed."""
+    """The ``data`` plan with every MoE block (router, experts, shared expert) recomputed:
+    the dense experts run again in backward, the expert-parallel op's all-to-alls do not."""
     from nnscaler.policies import data
 
     graph = data(graph, config)
@@ -49,29 +50,22 @@ def _recompute_moe_layers(graph, config):
     return graph
 
 
-def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: str,
-            expert_parallel: bool = True, recompute: bool = False) -> dict:
+def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: str) -> dict:
     from nnscaler import ComputeConfig, parallelize
-    from nnscaler.ops.builtin.moe import record_routing
 
     warnings.simplefilter("ignore")
     units = world // plan
     data = batches(2, units)
     ref = _reference(kind, model_kw, data)
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
-                        pas_config={"expert_parallel": expert_parallel})
-    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]},
-                     _recompute_moe_layers if recompute else "data", cfg, gen_savedir=root)
-    if recompute:
-        gencode = os.path.join(type(pm).generated_dir(), f"gencode{rank}.py")
-        assert "torch.utils.checkpoint.checkpoint(" in open(gencode).read()
+                        pas_config={"expert_parallel": True})
+    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]}, "data", cfg,
+                     gen_savedir=root)
     opt = torch.optim.SGD(pm.parameters_for_optimizer(), **SGD)
-    unit, losses, routed = rank // plan, [], []
+    unit, losses = rank // plan, []
     expert_bytes = total_expert_bytes = 0
     for i, step in enumerate(data):
-        with record_routing() as records:
-            losses += [float(x) for x in pm.train_step([step[unit]])]
-        routed.append([sum(r.tokens_per_expert) for r in records])
+        losses += [float(x) for x in pm.train_step([step[unit]])]
         pm.sync_grad()
         for attr, meta in pm.fullmap.items():
             if meta.kind != "parameter" or i:
@@ -96,7 +90,7 @@ def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: s
         if full.dim() == 3:  # an expert stack
             expert_bytes += mine.numel() * mine.element_size()
             total_expert_bytes += full.numel() * full.element_size()
-    return {"expert_bytes": expert_bytes, "total": total_expert_bytes, "routed": routed}
+    return {"expert_bytes": expert_bytes, "total": total_expert_bytes}
 
 
 CASES = [
@@ -118,30 +112,16 @@ def test_expert_parallel_parity(tmp_path, kind, model_kw, plan, world):
         assert res["expert_bytes"] * plan == res["total"] > 0
 
 
-def _recompute_worker(rank: int, world: int, root: str) -> list:
-    return [_worker(rank, world, "deepseek", {"top_k": 2}, 2, f"{root}/{ep}", ep, True)["routed"]
-            for ep in (False, True)]
-
-
-def test_recomputed_moe_blocks_train_exactly_and_record_once(tmp_path):
-    """Every MoE block in a recompute group: the dense plan replays the experts in backward
-    (the replay adds no routing record), the expert-parallel plan runs its all-to-all once
-    (the group is cut around it); both train like one process."""
-    tokens = 4 * 8 * 2  # batch 4 x sequence 8, top-2
-    for dense, ep in run_distributed(_recompute_worker, 2, str(tmp_path), timeout=600):
-        # one record per layer and step: half the batch (dense), the whole batch (ep)
-        assert dense == [[tokens // 2] * 2] * 2
-        assert ep == [[tokens] * 2] * 2
-
-
 def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, stage: int,
-                 root: str) -> dict:
+                 recompute: bool, root: str) -> dict:
     """Expert parallel inside data parallel with ZeRO ``stage``: each expert stack's pieces
-    are reduced (and sharded) over the ranks holding the same experts only."""
+    are reduced (and sharded) over the ranks holding the same experts only. ``recompute``:
+    every MoE block is a recompute group (the all-to-all runs once, outside it)."""
     from parallel.common import check_pieces
     from parallel.test_zero_parity import gathered_grads
 
     from nnscaler import ComputeConfig, build_optimizer, parallelize
+    from nnscaler.ops.builtin.moe import record_routing
 
     warnings.simplefilter("ignore")
     units = world // plan
@@ -149,13 +129,18 @@ def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, st
     ref = _reference(kind, model_kw, data)
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world, use_end2end=True,
                         zero_stage=stage, pas_config={"expert_parallel": True})
-    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]}, "data", cfg,
-                     gen_savedir=root)
+    pm = parallelize(build(kind, **model_kw), {"batch": data[0][0]},
+                     _recompute_moe_layers if recompute else "data", cfg, gen_savedir=root)
+    gencode = os.path.join(type(pm).generated_dir(), f"gencode{rank}.py")
+    with open(gencode) as f:
+        assert ("torch.utils.checkpoint.checkpoint(" in f.read()) == recompute
     opt = build_optimizer(pm, torch.optim.SGD, **SGD)
-    unit, losses = rank // plan, []
+    unit, losses, routed = rank // plan, [], []
     for i, step in enumerate(data):
         opt.zero_grad()
-        losses += [float(x) for x in pm.train_step([step[unit]])]
+        with record_routing() as records:
+            losses += [float(x) for x in pm.train_step([step[unit]])]
+        routed.append([sum(r.tokens_per_expert) for r in records])
         opt.sync_shard_grad()
         if i == 0:
             grads = gathered_grads(pm)
@@ -170,19 +155,23 @@ def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, st
     expert_ranks = sorted({r.ranks for r in pm.reducers for b in r.buckets
                            if any(p.dim() == 3 for p in b.params)})
     return {"checked": check_pieces(pm, ref["params"], rtol=1e-5, atol=1e-6),
-            "expert_reducer_ranks": expert_ranks}
+            "expert_reducer_ranks": expert_ranks, "routed": routed}
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                   pytest.param(3, marks=pytest.mark.slow)])
-def test_expert_parallel_with_zero(tmp_path, stage):
+@pytest.mark.parametrize("stage, recompute", [pytest.param(1, False, marks=pytest.mark.slow),
+                                              (2, True),
+                                              pytest.param(3, False, marks=pytest.mark.slow)])
+def test_expert_parallel_with_zero(tmp_path, stage, recompute):
     """ep 2 x dp 2: rank r holds the experts of r % 2, so an expert stack is reduced and
-    sharded over {0, 2} or {1, 3}, the replicated parameters over all four ranks."""
-    results = run_distributed(_zero_worker, 4, "deepseek", {"top_k": 2}, 2, stage,
+    sharded over {0, 2} or {1, 3}, the replicated parameters over all four ranks. With the
+    MoE blocks recomputed, each step records each layer's call once."""
+    results = run_distributed(_zero_worker, 4, "deepseek", {"top_k": 2}, 2, stage, recompute,
                               str(tmp_path), timeout=600)
+    tokens = 4 * 8 * 2  # a unit's batch: 4 x sequence 8, top-2
     for rank, res in enumerate(results):
         assert res["checked"] > 0
         assert res["expert_reducer_ranks"] == [(rank % 2, rank % 2 + 2)]
+        assert res["routed"] == [[tokens] * 2] * 2  # two layers, two steps
 
 
 def _plan(kind: str, model_kw: dict, plan: int, pas_config: dict):
