@@ -16,7 +16,7 @@ under ``plugins/``. The names, by what a plugin does with them:
   `as_policy_graph`, `AUTO`, `DEFAULT_SCHEDULER`, `DEFAULT_BUCKET_CAP_MB`), the costs a
   search weighs (`op_work`, `op_layouts`, `part_piece`, `replicated`), work handed to
   every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`), experts (`is_moe`, `require_moe_layers`,
-  `expert_transform`) and running ops for profiling (`run_ops`,
+  `expert_transform`), the sequence split of context parallelism (`split_sequence`) and running ops for profiling (`run_ops`,
   `release_schedule`);
 - adapters and devices: `Layout`, `Plan`, `plan`, `Primitive`, `execute_plan`,
   `plan_groups`, `ensure_groups`, `device_type`, `current_device`;
@@ -64,6 +64,7 @@ from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies.common import as_policy_graph, policy_config
 from nnscaler.policies.costs import op_layouts, op_work, part_piece, replicated
 from nnscaler.policies.experts import expert_transform, is_moe, require_moe_layers
+from nnscaler.policies.sequence import split_sequence
 from nnscaler.registry import Registry
 from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
 from nnscaler.runtime.device import current_device, device_type
@@ -123,5 +124,6 @@ __all__ = [
     "replicated",
     "require_moe_layers",
     "run_ops",
+    "split_sequence",
     "tensors_in",
 ]
