@@ -15,14 +15,15 @@ machine with fewer cores than processes the processes share them, so the speed-u
 bounded by the cores, not by the plan.
 
 ``--what longest``: for each degree in ``--degrees``, the longest sequence whose peak
-(as above) fits in ``--budget`` MiB per process: lengths grow by doubling from
-``--start`` until one does not fit, then one bisection step between the last fit and
-the first miss. Each length is one measured training step.
+fits in ``--budget`` MiB per process: lengths grow by doubling from ``--start`` until
+one does not fit, then ``--halvings`` bisection steps between the last fit and the first
+miss. Each length is one training step, the first (so the AdamW state it creates is
+counted among the bytes the ops make, plus the parameters and their gradient buffers).
 
 Prints a table, then one JSON line. Usage::
 
     python bench/cp/bench_llama_long.py --what table [--seq 16384] [--degrees 1 2 4]
-    python bench/cp/bench_llama_long.py --what longest [--budget 160] [--degrees 1 4]
+    python bench/cp/bench_llama_long.py --what longest [--budget 150] [--degrees 1 4]
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from bench_recompute_memory import LiveBytes  # noqa: E402
 MIB = 2.0**20
 
 
-def _held_bytes(pm: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Parameters, their gradients and the optimizer state this rank holds."""
+def _held_bytes(pm: torch.nn.Module, opt: torch.optim.Optimizer, state: bool) -> int:
+    """Parameters and their gradients this rank holds, and (``state``) the optimizer's."""
     params = sum(p.numel() * p.element_size() for p in pm.parameters())
-    state = sum(t.numel() * t.element_size() for s in opt.state.values()
-                for t in s.values() if isinstance(t, torch.Tensor))
-    return 2 * params + state
+    held = sum(t.numel() * t.element_size() for s in opt.state.values()
+               for t in s.values() if isinstance(t, torch.Tensor))
+    return 2 * params + (held if state else 0)
 
 
 def _rank(rank: int, world: int, seq: int, steps: int, gen: str) -> dict[str, float]:
@@ -65,13 +66,14 @@ def _rank(rank: int, world: int, seq: int, steps: int, gen: str) -> dict[str, fl
 
     pm, _ = build(seq, world, workdir=gen)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
-    data = byte_windows(seq, steps + 1)
+    data = byte_windows(seq, max(steps, 1) + (steps > 0))
+    measured = 1 if steps else 0  # after the first step (which creates the AdamW state)
     counter = LiveBytes()
     times, loss = [], 0.0
     for i, batch in enumerate(data):
         dist.barrier()
         t0 = time.perf_counter()
-        if i == 1:  # the measured step (after the first, which creates the AdamW state)
+        if i == measured:
             with counter:
                 loss = float(pm.train_step([batch])[0])
                 opt.step()
@@ -80,8 +82,8 @@ def _rank(rank: int, world: int, seq: int, steps: int, gen: str) -> dict[str, fl
             opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"peak": (counter.peak + _held_bytes(pm, opt)) / MIB,
-            "step": statistics.median(times[1:]), "loss": loss}
+    return {"peak": (counter.peak + _held_bytes(pm, opt, state=measured > 0)) / MIB,
+            "step": statistics.median(times[1:] or times), "loss": loss}
 
 
 def _measure(degree: int, seq: int, steps: int) -> dict[str, float]:
@@ -102,25 +104,26 @@ def table(args: argparse.Namespace) -> dict[str, Any]:
     return {"what": "table", "seq": args.seq, "rows": rows}
 
 
-def _longest(degree: int, budget: float, start: int, steps: int) -> tuple[int, dict]:
+def _longest(degree: int, budget: float, start: int, halvings: int) -> tuple[int, dict]:
     tried: dict[int, float] = {}
     seq, fit, miss = start, 0, 0
     while True:
-        tried[seq] = _measure(degree, seq, steps)["peak"]
+        tried[seq] = _measure(degree, seq, 0)["peak"]
         if tried[seq] > budget:
             miss = seq
             break
         fit, seq = seq, seq * 2
-    if fit:
+    for _ in range(halvings if fit else 0):
         mid = (fit + miss) // 2 // (2 * degree) * (2 * degree)
-        if fit < mid < miss:
-            tried[mid] = _measure(degree, mid, steps)["peak"]
-            fit = mid if tried[mid] <= budget else fit
+        if not fit < mid < miss:
+            break
+        tried[mid] = _measure(degree, mid, 0)["peak"]
+        fit, miss = (mid, miss) if tried[mid] <= budget else (fit, mid)
     return fit, tried
 
 
 def longest(args: argparse.Namespace) -> dict[str, Any]:
-    rows = {d: _longest(d, args.budget, args.start, 1) for d in args.degrees}
+    rows = {d: _longest(d, args.budget, args.start, args.halvings) for d in args.degrees}
     base = rows[args.degrees[0]][0]
     print(f"longest sequence in {args.budget:.0f} MiB per process (one training step)")
     print(f"{'degree':>6} {'longest':>8} {'ratio':>6}  peaks tried (tokens: MiB)")
@@ -137,8 +140,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--degrees", type=int, nargs="+", default=None)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--budget", type=float, default=160.0, help="MiB per process")
+    p.add_argument("--budget", type=float, default=150.0, help="MiB per process")
     p.add_argument("--start", type=int, default=2048)
+    p.add_argument("--halvings", type=int, default=3, help="bisection steps after doubling")
     args = p.parse_args()
     if args.degrees is None:
         args.degrees = [1, 2, 4] if args.what == "table" else [1, 4]
