@@ -15,9 +15,10 @@ under ``plugins/``. The names, by what a plugin does with them:
   (`ComputeConfig`, `PipelineConfig`, `as_compute_config`, `policy_config`,
   `as_policy_graph`, `AUTO`, `DEFAULT_SCHEDULER`, `DEFAULT_BUCKET_CAP_MB`), the costs a
   search weighs (`op_work`, `op_layouts`, `part_piece`, `replicated`), work handed to
-  every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`), experts (`is_moe`, `require_moe_layers`,
-  `expert_transform`, `ffn_transform`) and running ops for profiling (`run_ops`,
-  `release_schedule`);
+  every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`),
+  experts (`is_moe`, `require_moe_layers`, `expert_transform`, `ffn_transform`), the
+  sequence split of context parallelism (`split_sequence`) and running ops for profiling
+  (`run_ops`, `release_schedule`);
 - adapters and devices: `Layout`, `Plan`, `plan`, `Primitive`, `execute_plan`,
   `plan_groups`, `ensure_groups`, `device_type`, `current_device`;
 - errors a plugin raises or refines: `NNScalerError`, `PolicyError`, `PartitionError`,
@@ -69,6 +70,7 @@ from nnscaler.policies.experts import (
     is_moe,
     require_moe_layers,
 )
+from nnscaler.policies.sequence import split_sequence
 from nnscaler.registry import Registry
 from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
 from nnscaler.runtime.device import current_device, device_type
@@ -129,5 +131,6 @@ __all__ = [
     "replicated",
     "require_moe_layers",
     "run_ops",
+    "split_sequence",
     "tensors_in",
 ]

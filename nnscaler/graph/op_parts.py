@@ -112,7 +112,8 @@ def op_parts(graph: IRGraph, op: Op, t: Transform) -> list[Op]:
             bound = last[2]
         else:
             try:
-                bound = anno.anno.bind(shapes, kwargs)
+                bound = _bind_part(anno.anno, part_def if t.part_op else None, inputs,
+                                   shapes, kwargs)
             except AnnotationError as e:
                 raise fail(f"part {part} has input shapes {shapes_str(tensors_in(inputs))}, "
                            f"which its annotation rejects: {e}") from None
@@ -121,3 +122,17 @@ def op_parts(graph: IRGraph, op: Op, t: Transform) -> list[Op]:
                                   kwargs=kwargs, outputs=outputs,
                                   mutations=tuple(mutations)))
     return parts
+
+
+def _bind_part(whole: Any, part_def: Any, inputs: tuple, shapes: list, kwargs: dict) -> Any:
+    """A part's bound annotation: the whole op's, or, where that rejects the part's shapes
+    and the parts call a part op (a rule's ``part_op``), the part op's own for them (a
+    context-parallel part reads a mask with every key column against its chunk of keys)."""
+    try:
+        return whole.bind(shapes, kwargs)
+    except AnnotationError:
+        if part_def is None:
+            raise
+    args = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, SubTensor)
+            else x for x in inputs]
+    return part_def.annotation_for(args, kwargs).bind(shapes, kwargs)

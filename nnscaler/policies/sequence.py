@@ -28,7 +28,7 @@ from nnscaler.ops.builtin.token_loss import token_split
 from nnscaler.policies.batch_split import _batch_transform, _follow, batch_dims_of_inputs
 from nnscaler.policies.common import PolicyError, as_policy_graph, assign_parts, policy_config
 
-__all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence"]
+__all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence", "split_sequence"]
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 #: ``pas_config['attention']`` -> the input whose sequence dim the split names
@@ -89,44 +89,51 @@ def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     ``attention`` (``'ring'`` or ``'ulysses'``)."""
     config = policy_config(compute_config, "sequence")
     n, cfg = config.plan_ngpus, config.pas_config
-    strategy = cfg.get("attention", "ring")
-    if strategy not in ATTENTION_STRATEGIES:
-        raise PolicyError(f"policy 'sequence': pas_config['attention'] is one of "
-                          f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
     g = as_policy_graph(graph)
-    seq = _sequence_dims(g, cfg.get("sequence_dims"), n)
-    with token_split():
-        _place(g, seq, n, strategy)
+    for _, parts in split_sequence(g, n, strategy=cfg.get("attention", "ring"),
+                                   sequence_dims=cfg.get("sequence_dims")):
+        assign_parts(g, parts)
     g.check(n)
     return g
 
 
-def _place(g: IRGraph, seq: dict, n: int, strategy: str) -> None:
-    for op in g.nodes():
-        if n == 1:
-            g.assign(op, 0)
-            continue
-        parts = None
-        carries = any(isinstance(x, SubTensor) and x.full in seq for x in op.inputs[:3])
-        if carries and _is_self_attention(op):
-            parts = attention_split(g, op, n, strategy)
-            _follow_output(op, seq)
+def split_sequence(g: IRGraph, num: int, *, strategy: str = "ring",
+                   sequence_dims: Any = None) -> list[tuple[Op, list[Op]]]:
+    """Split every op of ``g`` that carries the sequence in ``num`` parts, as the
+    ``sequence`` policy does (self-attention by ``strategy``, the loss over the tokens),
+    and replicate the others ``num`` times; returns each op with its parts, in program
+    order, for the caller to assign (part ``k`` to the ``k``-th device of its group).
+    A policy that combines the sequence split with pipeline stages places each op's
+    parts on the devices of the op's stage."""
+    if strategy not in ATTENTION_STRATEGIES:
+        raise PolicyError(f"policy 'sequence': pas_config['attention'] is one of "
+                          f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
+    if num == 1:
+        return [(op, g.replicate(op, 1)) for op in g.nodes()]
+    seq = _sequence_dims(g, sequence_dims, num)
+    with token_split():
+        return [(op, _split(g, op, seq, num, strategy)) for op in g.nodes()]
+
+
+def _split(g: IRGraph, op: Op, seq: dict, n: int, strategy: str) -> list[Op]:
+    carries = any(isinstance(x, SubTensor) and x.full in seq for x in op.inputs[:3])
+    if carries and _is_self_attention(op):
+        parts = attention_split(g, op, n, strategy)
+        _follow_output(op, seq)
+        return parts
+    t = _batch_transform(op, seq, n)
+    if t is not None:
+        try:
+            parts = g.partition(op, idx=t.idx, dim=t.dim, num=n)
+        except PartitionError:  # an in-place write through a view: replicate
+            pass
         else:
-            t = _batch_transform(op, seq, n)
-            if t is not None:
-                try:
-                    parts = g.partition(op, idx=t.idx, dim=t.dim, num=n)
-                except PartitionError:  # an in-place write through a view: replicate
-                    parts = None
-                else:
-                    _follow(op, t, seq)
-        if parts is None:
-            parts = g.replicate(op, n)
-        assign_parts(g, parts)
+            _follow(op, t, seq)
+            return parts
+    return g.replicate(op, n)
 
 
 def _follow_output(op: Op, seq: dict) -> None:
     out = op.output_tensors()
     if out:
         seq[out[0].full] = out[0].full.ndim - 2
-

@@ -37,16 +37,17 @@ class WithLoss(nn.Module):
         return self.model(**batch).loss
 
 
-def text_batch(seed: int, padded: bool, *, masked_lm: bool = False) -> dict[str, torch.Tensor]:
+def text_batch(seed: int, padded: bool, *, masked_lm: bool = False,
+               seq: int = SEQ) -> dict[str, torch.Tensor]:
     """Token ids with an attention mask; ``padded`` pads the tail of every other sample
     by a seed-dependent length (the labels there are ignored)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
     if padded:
         for row in range(0, BATCH, 2):
-            pad = int(torch.randint(1, SEQ // 2, (1,), generator=g))
-            mask[row, SEQ - pad:] = 0
+            pad = int(torch.randint(1, seq // 2, (1,), generator=g))
+            mask[row, seq - pad:] = 0
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     if masked_lm:  # only some positions are masked-LM targets
@@ -54,17 +55,17 @@ def text_batch(seed: int, padded: bool, *, masked_lm: bool = False) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def packed_batch(seed: int, packed: bool) -> dict[str, torch.Tensor]:
+def packed_batch(seed: int, packed: bool, seq: int = SEQ) -> dict[str, torch.Tensor]:
     """Sequences packed into each row, as a packing collator gives them: no attention
     mask, ``position_ids`` restarting at 0 where a sequence starts (seed-dependent cuts;
     one sequence per row unless ``packed``), and no label across a boundary."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
     rows = []
     for _ in range(BATCH):
-        cuts = sorted(torch.randperm(SEQ - 1, generator=g)[:2].add(1).tolist()) if packed else []
+        cuts = sorted(torch.randperm(seq - 1, generator=g)[:2].add(1).tolist()) if packed else []
         starts = [0, *cuts]
-        lengths = [b - a for a, b in zip(starts, [*cuts, SEQ], strict=True)]
+        lengths = [b - a for a, b in zip(starts, [*cuts, seq], strict=True)]
         rows.append(torch.cat([torch.arange(n) for n in lengths]))
     position_ids = torch.stack(rows)
     labels = ids.masked_fill(position_ids == 0, -100)  # a sequence's first token: no target

@@ -122,3 +122,42 @@ def test_errors():
         _plan("gpt", 2, attention="tree")
     with pytest.raises(PolicyError, match=r"sequence dim 1.*16.*3 devices.*sequence length"):
         _plan("gpt", 3)
+
+
+def test_a_padding_mask_reaches_the_ring_whole():
+    """A Hugging Face padding mask ``(B, 1, L, S)``: each attention part reads its rows
+    and every key column (the part op's own annotation accepts what the whole op's
+    rejects: ``s`` is the chunk in the keys but the whole sequence in the mask)."""
+    transformers = pytest.importorskip("transformers")
+    from policy_cases import WithLoss
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, use_cache=False,
+        attn_implementation="sdpa"))
+    module = WithLoss(model).train()
+    ids = torch.randint(1, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[0, SEQ - 5:] = 0
+    args = {"batch": {"input_ids": ids, "attention_mask": mask,
+                      "labels": ids.masked_fill(mask == 0, -100)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = sequence(IRGraph.from_graph(trace(module, args)), config(2))
+    parts = [op for op in graph.nodes() if op.opdef is not None
+             and op.opdef.name == CONTEXT_PARALLEL_ATTENTION]
+    assert len(parts) == 2
+    for op in parts:
+        q, k, _, m = op.input_tensors()[:4]
+        assert q.shape[-2] == k.shape[-2] == SEQ // 2 and m.shape[-2:] == (SEQ // 2, SEQ)
+    check_plan(graph, 2)
+    want = module(**args)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    got = run_plan(graph, module, args)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    got.backward()
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)

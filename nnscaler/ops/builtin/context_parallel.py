@@ -325,11 +325,21 @@ def sequence_rules(bound: Any) -> list[TransformRule]:
 def _part_anno(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                scale=None, enable_gqa=False, **_: Any) -> str:
     """The whole op's annotation with the query length ``^`` too: a part holds its chunk
-    and the group's positions, so its sequence splits no further."""
+    and the group's positions, so its sequence splits no further. A mask holds every key
+    column of the whole sequence (``t``), not only the part's ``s`` keys."""
     from nnscaler.ops.builtin.attention import sdpa_anno
 
-    return sdpa_anno(query, key, value, attn_mask, dropout_p, True, scale=scale,
+    anno = sdpa_anno(query, key, value, attn_mask, dropout_p, True, scale=scale,
                      enable_gqa=enable_gqa)
+    if not (is_tensor(attn_mask) and attn_mask.dim() >= 1
+            and attn_mask.shape[-1] not in (1, key.shape[-2])):
+        return anno
+    inputs, out = anno.split(" -> ")
+    fields = inputs.split(", ")
+    if not fields[3].endswith(" s^"):
+        return anno
+    fields[3] = fields[3][:-len("s^")] + "t^"
+    return f"{', '.join(fields)} -> {out}"
 
 
 def _gen(rng: random.Random) -> tuple[tuple, dict]:

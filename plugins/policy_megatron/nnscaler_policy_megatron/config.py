@@ -5,7 +5,8 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
 (``plan_ngpus`` devices that hold one copy of the model) replicated
 ``runtime_ngpus / plan_ngpus`` times. They map one to one:
 
-- ``plan_ngpus = tensor_model_parallel_size * pipeline_model_parallel_size``;
+- ``plan_ngpus = tensor_model_parallel_size * context_parallel_size *
+  pipeline_model_parallel_size``;
 - ``data_parallel = runtime_ngpus / plan_ngpus`` (the rest of the devices);
 - ``use_distributed_optimizer`` is ZeRO stage 1 over the data-parallel replicas:
   ``ComputeConfig.use_zero``;
@@ -13,7 +14,12 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
   tensor-parallel devices of its pipeline rank, so it is 1 or
   ``tensor_model_parallel_size`` (Megatron-Core shards experts over data-parallel ranks;
   here the data-parallel replicas are whole copies of the scale unit, so the experts
-  share the devices of the tensor-parallel group instead).
+  share the devices of the tensor-parallel group instead);
+- ``context_parallel_size`` splits the sequence of every op of a pipeline stage over
+  that many devices (the ``sequence`` policy's split: ring attention, zigzag when
+  causal); ``cp_comm_type`` is Megatron's ``'p2p'`` (the ring, the default) or
+  ``'a2a'`` (Ulysses). It needs ``tensor_model_parallel_size=1``: a part of attention's
+  sequence split talks to its peers and cannot be split by heads again.
 
 `megatron_compute_config` builds the [`ComputeConfig`][nnscaler.ComputeConfig] from the
 Megatron sizes; the policy checks that the compute config it receives agrees with
@@ -34,7 +40,9 @@ __all__ = ["MegatronConfig", "MegatronConfigError", "megatron_compute_config", "
 _KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
          "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
          "sequence_parallel", "data_parallel", "use_distributed_optimizer",
-         "expert_model_parallel_size")
+         "expert_model_parallel_size", "context_parallel_size", "cp_comm_type")
+#: Megatron's ``cp_comm_type`` -> the ``sequence`` policy's attention strategy
+CP_COMM_TYPES = {"p2p": "ring", "a2a": "ulysses"}
 
 
 class MegatronConfigError(PolicyError):
@@ -53,10 +61,12 @@ class MegatronConfig:
     dp: int
     distributed_optimizer: bool
     ep: int = 1
+    cp: int = 1
+    cp_strategy: str = "ring"  # the sequence policy's attention strategy
 
     @property
     def plan_ngpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.cp * self.pp
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -83,8 +93,9 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
     """The Megatron sizes of ``compute_config.pas_config``, checked against
     ``plan_ngpus``, ``runtime_ngpus`` and ``use_zero``.
 
-    ``tensor_model_parallel_size`` defaults to ``plan_ngpus / pipeline_model_parallel_size``
-    (so ``{}`` means tensor parallelism over the whole scale unit).
+    ``tensor_model_parallel_size`` defaults to ``plan_ngpus / (context_parallel_size *
+    pipeline_model_parallel_size)`` (so ``{}`` means tensor parallelism over the whole
+    scale unit).
     """
     try:
         config = as_compute_config(compute_config)
@@ -95,15 +106,19 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
         ) from None
     plan, runtime, cfg = config.plan_ngpus, config.runtime_ngpus, config.pas_config
     pp = _int(cfg, "pipeline_model_parallel_size", 1) or 1
-    tp = _int(cfg, "tensor_model_parallel_size", plan // pp if plan % pp == 0 else None)
-    if tp is None or tp * pp != plan:
+    cp = _int(cfg, "context_parallel_size", 1) or 1
+    tp = _int(cfg, "tensor_model_parallel_size",
+              plan // (pp * cp) if plan % (pp * cp) == 0 else None)
+    if tp is None or tp * cp * pp != plan:
         raise MegatronConfigError(
             f"policy 'megatron': a scale unit holds one copy of the model, so plan_ngpus "
-            f"must be tensor_model_parallel_size * pipeline_model_parallel_size; got "
-            f"plan_ngpus={plan}, tensor_model_parallel_size={tp}, "
-            f"pipeline_model_parallel_size={pp}. Set plan_ngpus={(tp or 1) * pp} or change "
-            f"the sizes (megatron_compute_config(...) computes plan_ngpus for you)"
+            f"must be tensor_model_parallel_size * context_parallel_size * "
+            f"pipeline_model_parallel_size; got plan_ngpus={plan}, "
+            f"tensor_model_parallel_size={tp}, context_parallel_size={cp}, "
+            f"pipeline_model_parallel_size={pp}. Set plan_ngpus={(tp or 1) * cp * pp} or "
+            f"change the sizes (megatron_compute_config(...) computes plan_ngpus for you)"
         )
+    cp_strategy = _cp_strategy(cfg, tp, cp)
     vpp = _int(cfg, "virtual_pipeline_model_parallel_size", None)
     per_stage = _int(cfg, "num_layers_per_virtual_pipeline_stage", None)
     if vpp is not None and per_stage is not None:
@@ -152,7 +167,25 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             f"{ep})")
     return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
                           sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
-                          ep=ep)
+                          ep=ep, cp=cp, cp_strategy=cp_strategy)
+
+
+def _cp_strategy(cfg: Mapping[str, Any], tp: int, cp: int) -> str:
+    """The attention strategy of ``cp_comm_type``; context parallelism with tensor
+    parallelism is refused."""
+    comm = cfg.get("cp_comm_type", "p2p")
+    if comm not in CP_COMM_TYPES:
+        raise MegatronConfigError(
+            f"policy 'megatron': cp_comm_type is one of {sorted(CP_COMM_TYPES)} ('p2p': "
+            f"ring attention, zigzag when causal; 'a2a': Ulysses), got {comm!r}")
+    if cp > 1 and tp > 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': context_parallel_size={cp} with tensor_model_parallel_size="
+            f"{tp} is not supported: attention's sequence split runs parts that exchange "
+            f"keys and values with each other, and such a part cannot be split by heads "
+            f"again, so the two cannot share an attention. Set tensor_model_parallel_size=1 "
+            f"(context x pipeline x data parallelism), or context_parallel_size=1")
+    return CP_COMM_TYPES[comm]
 
 
 def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
@@ -163,10 +196,12 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
                             sequence_parallel: bool = False,
                             use_distributed_optimizer: bool = False,
                             expert_model_parallel_size: int = 1,
+                            context_parallel_size: int = 1,
+                            cp_comm_type: str = "p2p",
                             pas_config: Mapping[str, Any] | None = None,
                             **compute_config: Any) -> ComputeConfig:
     """A [`ComputeConfig`][nnscaler.ComputeConfig] for the ``megatron`` policy from Megatron's
-    sizes: ``plan_ngpus = tp * pp``, ``runtime_ngpus = plan_ngpus * data_parallel``,
+    sizes: ``plan_ngpus = tp * cp * pp``, ``runtime_ngpus = plan_ngpus * data_parallel``,
     ``use_zero = use_distributed_optimizer``; ``pas_config`` adds other keys (for a
     pipeline: ``pipeline_nmicros``, ``pipeline_scheduler``, which is
     ``'1f1b_interleaved'`` by default with virtual stages), ``compute_config`` other
@@ -180,6 +215,8 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
         "use_distributed_optimizer": use_distributed_optimizer,
         "expert_model_parallel_size": expert_model_parallel_size,
     }
+    if context_parallel_size != 1 or cp_comm_type != "p2p":
+        sizes.update(context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type)
     if virtual_pipeline_model_parallel_size is not None:
         sizes["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
     if num_layers_per_virtual_pipeline_stage is not None:
@@ -188,7 +225,7 @@ def megatron_compute_config(*, tensor_model_parallel_size: int = 1,
     if (vpp > 1 or num_layers_per_virtual_pipeline_stage is not None) and \
             "pipeline_scheduler" not in (pas_config or {}):
         sizes["pipeline_scheduler"] = "1f1b_interleaved"  # Megatron's schedule for them
-    plan = tensor_model_parallel_size * pipeline_model_parallel_size
+    plan = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
     return ComputeConfig(plan_ngpus=plan, runtime_ngpus=plan * data_parallel,
                          use_zero=use_distributed_optimizer,
                          pas_config={**(pas_config or {}), **sizes}, **compute_config)

@@ -16,6 +16,12 @@ Steps, in this order (each needs the one before):
    linear with a reduce-scatter; otherwise replicated, and a row linear's output is
    all-reduced.
 
+With ``context_parallel_size`` (``cp``; ``tensor_model_parallel_size`` must be 1), step 3
+and 4 are the ``sequence`` policy's split instead: every op of a stage that carries the
+sequence runs on chunks of it over the ``cp`` devices of its pipeline rank, attention as
+ring attention (zigzag when causal; Ulysses with ``cp_comm_type='a2a'``), and the others
+are replicated there (`nnscaler.policies.sequence.split_sequence`).
+
 With ``expert_model_parallel_size`` (= ``tp``), every MoE layer's experts are split
 over the tensor-parallel devices (`nnscaler.policies.experts`): each holds ``E / tp``
 experts and the tokens move to them with an all-to-all. Without it (``tp`` > 1), every
@@ -44,6 +50,7 @@ from nnscaler.extend import (
     ffn_transform,
     is_moe,
     require_moe_layers,
+    split_sequence,
 )
 from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
 from nnscaler_policy_megatron.structure import Region, find_regions, track_sequence
@@ -155,6 +162,10 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
     result = MegatronPlan(cfg)
     if cfg.pp > 1:
         _stage(g, cfg, compute_config, result)
+    if cfg.cp > 1:
+        _split_context(g, cfg, compute_config, result)
+        g.check(cfg.plan_ngpus)
+        return g, result
     tp = cfg.tp
     ops = g.nodes()
     choices: dict[Op, Any] = {}
@@ -203,6 +214,18 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
                         region.seed.name, region.seed.module_path, full.name)
     g.check(cfg.plan_ngpus)
     return g, result
+
+
+def _split_context(g: IRGraph, cfg: MegatronConfig, compute_config: ComputeConfig,
+                   plan: MegatronPlan) -> None:
+    """Context parallelism: the sequence split over the ``cp`` devices of each pipeline
+    rank (``tp`` is 1, which `read_config` checked)."""
+    dims = compute_config.pas_config.get("sequence_dims")
+    for op, parts in split_sequence(g, cfg.cp, strategy=cfg.cp_strategy, sequence_dims=dims):
+        base = ((op.stage or 0) % cfg.pp) * cfg.cp
+        plan.sequence_split.append(op)
+        for k, part in enumerate(parts):
+            g.assign(part, base + k)
 
 
 def megatron(graph: Graph, compute_config: ComputeConfig) -> IRGraph:

@@ -118,7 +118,7 @@ def parity_worker(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
     for i, (kind, sizes) in enumerate(cases):
         sizes = dict(sizes)
         plan = sizes.get("tensor_model_parallel_size", 1) * sizes.get(
-            "pipeline_model_parallel_size", 1)
+            "pipeline_model_parallel_size", 1) * sizes.get("context_parallel_size", 1)
         units = world // plan
         sizes["data_parallel"] = units
         if (kind, units) not in refs:

@@ -33,13 +33,16 @@ def traced(kind: str):
     return _TRACED[kind]
 
 
-def config(tp: int = 1, pp: int = 1, **pas):
+def config(tp: int = 1, pp: int = 1, cp: int = 1, **pas):
     pas = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
            "pipeline_nmicros": 2, **pas}
+    if cp > 1:
+        pas["context_parallel_size"] = cp
     if (pas.get("virtual_pipeline_model_parallel_size", 1) > 1
             or "num_layers_per_virtual_pipeline_stage" in pas):
         pas.setdefault("pipeline_scheduler", "1f1b_interleaved")
-    return SimpleNamespace(plan_ngpus=tp * pp, runtime_ngpus=tp * pp, use_end2end=True,
+    return SimpleNamespace(plan_ngpus=tp * cp * pp, runtime_ngpus=tp * cp * pp,
+                           use_end2end=True,
                            use_zero=False, pas_config=pas)
 
 
@@ -129,6 +132,37 @@ def test_plan_reproduces_model(kind, name):
     _reproduces(kind, g)
 
 
+CP_PLANS = {
+    "cp2": dict(cp=2),
+    "cp4": dict(cp=4),
+    "cp2-pp2": dict(cp=2, pp=2),
+    "cp2-a2a": dict(cp=2, cp_comm_type="a2a"),
+}
+
+
+@pytest.mark.parametrize("name", list(CP_PLANS))
+@pytest.mark.parametrize("kind", ["llama"])
+def test_context_parallel_plan_reproduces_model(kind, name):
+    from nnscaler.ops.builtin.context_parallel import CONTEXT_PARALLEL_ATTENTION
+
+    sizes = dict(CP_PLANS[name])
+    cp, pp = sizes.pop("cp"), sizes.pop("pp", 1)
+    g, _ = planned(kind, config(pp=pp, cp=cp, **sizes))
+    g.check(cp * pp)
+    attention = [op for op in g.nodes() if op.opdef is not None
+                 and op.opdef.name == CONTEXT_PARALLEL_ATTENTION]
+    assert len(attention) == 4 * cp  # every layer's attention, one part per device
+    want = "ulysses" if sizes.get("cp_comm_type") == "a2a" else "zigzag"
+    assert {op.kwargs["strategy"] for op in attention} == {want}
+    # each pipeline rank's attention parts run on its own cp devices
+    for op in attention:
+        assert op.device // cp == (op.stage or 0) % pp
+    linears = [op for op in g.nodes() if op.name == "torch.nn.functional.linear"
+               and op.input_tensors()[0].ndim == 3]
+    assert linears and all(op.input_tensors()[0].shape[-2] == 8 // cp for op in linears)
+    _reproduces(kind, g)
+
+
 @pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_other_hf_families_plan_by_structure(kind, name):
@@ -176,6 +210,16 @@ def test_layers_are_logged_when_left_whole(caplog):
      "virtual pipeline stages need"),
     (SimpleNamespace(plan_ngpus=2, runtime_ngpus=2, pas_config={
         "tensor_model_parallel_size": "2"}), "positive int"),
+    (SimpleNamespace(plan_ngpus=4, runtime_ngpus=4, pas_config={
+        "tensor_model_parallel_size": 2, "context_parallel_size": 2}),
+     r"context_parallel_size=2 with tensor_model_parallel_size=2.*Set "
+     r"tensor_model_parallel_size=1"),
+    (SimpleNamespace(plan_ngpus=4, runtime_ngpus=4, pas_config={
+        "context_parallel_size": 2, "pipeline_model_parallel_size": 1,
+        "tensor_model_parallel_size": 1}), "plan_ngpus must be tensor_model_parallel_size "
+                                           r"\* context_parallel_size"),
+    (SimpleNamespace(plan_ngpus=2, runtime_ngpus=2, pas_config={
+        "context_parallel_size": 2, "cp_comm_type": "ring"}), "cp_comm_type is one of"),
 ])
 def test_bad_sizes_are_refused(cfg, match):
     with pytest.raises(MegatronConfigError, match=match):
@@ -202,6 +246,11 @@ def test_megatron_compute_config_maps_sizes():
     assert (cfg.plan_ngpus, cfg.runtime_ngpus, cfg.use_zero) == (4, 12, True)
     assert cfg.pas_config["pipeline_nmicros"] == 4
     assert cfg.pas_config["data_parallel"] == 3
+    assert "context_parallel_size" not in cfg.pas_config  # unchanged unless asked for
+    cfg = megatron_compute_config(context_parallel_size=2, pipeline_model_parallel_size=2,
+                                  data_parallel=2, pas_config={"pipeline_nmicros": 2})
+    assert (cfg.plan_ngpus, cfg.runtime_ngpus) == (4, 8)
+    assert cfg.pas_config["context_parallel_size"] == 2
 
 
 def test_virtual_stages_default_to_the_interleaved_schedule():
