@@ -158,20 +158,28 @@ def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, st
             "expert_reducer_ranks": expert_ranks, "routed": routed}
 
 
-@pytest.mark.parametrize("stage, recompute", [pytest.param(1, False, marks=pytest.mark.slow),
-                                              (2, True),
-                                              pytest.param(3, False, marks=pytest.mark.slow)])
-def test_expert_parallel_with_zero(tmp_path, stage, recompute):
+def _zero_stages(rank: int, world: int, stages: tuple[int, ...], recompute: bool,
+                 root: str) -> list[dict]:
+    """Every stage of ``stages`` in one process group (start-up dominates)."""
+    return [_zero_worker(rank, world, "deepseek", {"top_k": 2}, 2, stage, recompute,
+                         f"{root}/zero{stage}") for stage in stages]
+
+
+@pytest.mark.parametrize("stages, recompute", [((2,), True),
+                                               pytest.param((1, 3), False, marks=pytest.mark.slow)],
+                         ids=["zero2-recomputed", "zero1-zero3"])
+def test_expert_parallel_with_zero(tmp_path, stages, recompute):
     """ep 2 x dp 2: rank r holds the experts of r % 2, so an expert stack is reduced and
     sharded over {0, 2} or {1, 3}, the replicated parameters over all four ranks. With the
     MoE blocks recomputed, each step records each layer's call once."""
-    results = run_distributed(_zero_worker, 4, "deepseek", {"top_k": 2}, 2, stage, recompute,
-                              str(tmp_path), timeout=600)
+    results = run_distributed(_zero_stages, 4, stages, recompute, str(tmp_path), timeout=600)
     tokens = 4 * 8 * 2  # a unit's batch: 4 x sequence 8, top-2
-    for rank, res in enumerate(results):
-        assert res["checked"] > 0
-        assert res["expert_reducer_ranks"] == [(rank % 2, rank % 2 + 2)]
-        assert res["routed"] == [[tokens] * 2] * 2  # two layers, two steps
+    for rank, per_stage in enumerate(results):
+        assert len(per_stage) == len(stages)
+        for res in per_stage:
+            assert res["checked"] > 0
+            assert res["expert_reducer_ranks"] == [(rank % 2, rank % 2 + 2)]
+            assert res["routed"] == [[tokens] * 2] * 2  # two layers, two steps
 
 
 def _plan(kind: str, model_kw: dict, plan: int, pas_config: dict):
