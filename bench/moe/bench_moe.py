@@ -10,7 +10,11 @@ in the same processes and timed step by step, interleaved (``bench/_launch.py``)
   ``experts / world`` of every layer's experts and the same number of tokens as in
   ``dense`` (the unit's batch is ``world`` times a rank's);
 - ``ep-skewed``: ``ep`` with a router biased so that every token's first choice is expert
-  0 (its rank runs every token once, the others share the second choices).
+  0 (its rank runs every token once, the others share the second choices);
+- ``ffn-tp``: the ``megatron`` policy with ``tensor_model_parallel_size = world`` and no
+  expert parallelism: every expert split by its intermediate units (each rank slices
+  ``gate_up`` and holds ``1 / world`` of ``down``), every rank running the unit's tokens,
+  the same batch as ``ep``.
 
 Reported: the median step (a step as slow as its slowest rank) and its ratio to
 ``dense``; the bytes of expert weights per rank; the all-to-all's share of the ``ep``
@@ -113,11 +117,16 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[st
     dims = (args.layers, args.hidden, args.ffn, args.experts)
     per_rank = args.samples
     modules, steps, info = {}, {}, {}
-    for mode in ("dense", "ep", "ep-skewed"):
+    for mode in ("dense", "ep", "ep-skewed", "ffn-tp"):
         model = MoELM(*dims, skew=100.0 if mode == "ep-skewed" else 0.0)
         if mode == "dense":
             cfg, policy, batch = ComputeConfig(1, world, use_end2end=True), "dp", \
                 _batch(per_rank, rank)
+        elif mode == "ffn-tp":
+            from nnscaler_policy_megatron import megatron_compute_config
+
+            cfg = megatron_compute_config(tensor_model_parallel_size=world, use_end2end=True)
+            policy, batch = "megatron", _batch(per_rank * world, 0)
         else:
             cfg = ComputeConfig(world, world, use_end2end=True,
                                 pas_config={"expert_parallel": True})
