@@ -6,10 +6,18 @@ order: an op that reads a tensor along its batch dim is split on that dim (throu
 transform space, the split whose identifier the most batch-carrying inputs carry there),
 and each output the split cuts (``S(d)``) carries the batch at ``d``. Ops that read no
 batch-carrying tensor (the position embedding, a mask built from constants), or whose
-batch dim cannot be split (a loss with ``reduction='mean'`` marks it ``^``), are
-replicated on every device; the adapters gather their inputs. Part ``p`` runs on device
+batch dim cannot be split (a mean-reduced loss marks it ``^``), are replicated on every
+device; the adapters gather their inputs. A mean ``cross_entropy`` splits all the same,
+inside `token_split`: each part sums and counts its own samples' losses, and one
+all-reduce of the two numbers gives every part the whole mean. Part ``p`` runs on device
 ``p``. With ``expert_parallel`` the experts of every MoE layer are split over the devices
 too (`nnscaler.policies.experts`).
+
+When every op reads the batch this is data parallelism: each parameter is held whole on
+every device (its first reader reads it replicated) and its gradient stays in value
+parts, one per device, that no adapter sums; the reducer sums them once, in its buckets,
+over the unit's devices and the other units together. The program is ``dp``'s, plus the
+local slicing of the forward arguments and the loss's all-reduce of two numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from nnscaler.anno import Split, Transform
 from nnscaler.config import ComputeConfig
 from nnscaler.graph import IRGraph, PartitionError
 from nnscaler.ir import FullTensor, Graph, Op, SubTensor, tensors_in
+from nnscaler.ops.builtin.token_loss import token_split
 from nnscaler.policies.common import (
     PolicyError,
     as_policy_graph,
@@ -136,6 +145,13 @@ def data(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     experts = expert_parallel_option(cfg, "data")
     if experts:
         require_moe_layers(g.nodes(), "data")
+    with token_split():
+        _place(g, batch, n, experts)
+    g.check(n)
+    return g
+
+
+def _place(g: IRGraph, batch: dict[FullTensor, int], n: int, experts: bool) -> None:
     for op in g.nodes():
         if n == 1:
             g.assign(op, 0)
@@ -153,5 +169,3 @@ def data(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
         if parts is None:
             parts = g.replicate(op, n)
         assign_parts(g, parts)
-    g.check(n)
-    return g

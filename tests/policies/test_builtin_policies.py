@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 from policy_cases import MODELS, assert_reproduces, case, config, fresh
 
+from nnscaler.codegen import build_program
 from nnscaler.errors import UnknownNameError
 from nnscaler.graph import IRGraph
+from nnscaler.ir import TensorKind
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies import PolicyError, adapters, data, dp, tp
 
@@ -111,9 +113,14 @@ def test_data_splits_every_linear_on_the_batch(name):
     for op in linears:
         x = op.inputs[0] if op.name.endswith("linear") else op.inputs[1]
         assert x.shape[0] == x.full.shape[0] // 2, op
-    # the loss (mean cross-entropy: its batch dim is frozen) runs whole on both devices
+    # the loss (a mean cross-entropy) splits on its tokens too: each part sums its own
+    # samples' losses and counts them, and the parts all-reduce the two numbers
     loss = graph.select(name="cross_entropy")
-    assert len(loss) == 2 and all(op.inputs[0].is_whole for op in loss)
+    assert [op.inputs[0].indmap[0] for op in loss] == [
+        (0, loss[0].inputs[0].full.shape[0] // 2),
+        (loss[0].inputs[0].full.shape[0] // 2, loss[0].inputs[0].full.shape[0])]
+    assert all(op.opdef.name.endswith("token_parallel_cross_entropy") for op in loss)
+    assert_reproduces(graph, name, 2)
 
 
 def test_data_replicates_ops_without_the_batch():
@@ -124,14 +131,32 @@ def test_data_replicates_ops_without_the_batch():
     assert [op.outputs[0].indmap[0] for op in tok] == [(0, 2), (2, 4)]
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("units", [1, 2])
+def test_data_program_is_dp_program(name, units):
+    """A batch split is data parallelism: every parameter is held whole on every device
+    (its gradient summed once, by the reducer, over the unit's devices and the other
+    units together), and the only adapters slice the forward arguments locally; no op
+    gathers activations or reduces a weight gradient by itself."""
+    program = build_program(data(fresh(name), config(2)), plan_ngpus=2,
+                            runtime_ngpus=2 * units)
+    assert program.adapters
+    assert {s.name for a in program.adapters for s in a.plan.steps} == {"chunk"}
+    assert all(a.full.kind is TensorKind.INPUT for a in program.adapters)
+    params = [leaf for leaf in program.leaves.values() if leaf.kind is TensorKind.PARAMETER]
+    assert params and all(leaf.layout.r == 2 for leaf in params)
+    assert program.reducer_groups == [tuple(range(2 * units))]
+
+
 def test_data_batch_dims_option_names_arguments():
     graph = data(fresh("mlp"), config(2, batch_dims={"batch": 0}))
     assert_reproduces(graph, "mlp", 2)
-    # the labels without a batch dim: only x is split; the loss still gathers
+    # the labels without a batch dim: only x is split; the loss, split on its samples
+    # as x reaches it, reads its slice of the labels (a local chunk, no communication)
     graph = data(fresh("mlp"), config(2, batch_dims={"batch['y']": None}))
     assert_reproduces(graph, "mlp", 2)
-    view = graph.select(name="cross_entropy")
-    assert all(op.inputs[1].is_whole for op in view)
+    loss = graph.select(name="cross_entropy")
+    assert [op.inputs[1].indmap for op in loss] == [((0, 2),), ((2, 4),)]
 
 
 def test_data_batch_dims_unknown_argument():

@@ -8,8 +8,9 @@ tokens' losses and counts them, and one all-reduce of those two numbers gives ev
 the whole mean. Its gradient is the all-reduce's adjoint: each part's sum receives the
 gradient of every part's result.
 
-The rule is offered inside `token_split` only (the ``sequence`` policy plans in it): the
-other policies keep the plans they had, in which a mean loss gathers its inputs.
+The rule is offered inside `token_split` only (the ``sequence`` and ``data`` policies
+plan in it): the other policies keep the plans they had, in which a mean loss gathers its
+inputs.
 """
 
 from __future__ import annotations
