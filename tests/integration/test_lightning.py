@@ -152,3 +152,51 @@ def test_end2end_config_is_refused():
 
     with pytest.raises(LightningIntegrationError, match="use_end2end=False"):
         NnScalerStrategy(ComputeConfig(plan_ngpus=1, runtime_ngpus=1, use_end2end=True))
+
+
+ZERO_STEPS = 6
+
+
+def _zero_worker(rank, world, tmp):
+    """ddp, then the strategy with ZeRO stages 2 and 3, each ``ZERO_STEPS`` steps of Adam
+    from the same weights on the same shards: the losses agree, and the checkpoint folder
+    of each stage merges into the ddp model's weights."""
+    from nnscaler import ComputeConfig
+    from nnscaler.integration.lightning import NnScalerStrategy, merge_checkpoint
+    from nnscaler.models.gpt import GPTWithLoss
+
+    warnings.simplefilter("ignore")
+    LitGPT, loader, config = _module_and_data()
+
+    class LitAdam(LitGPT):
+        def configure_optimizers(self):  # Adam's eps: see tests/parity_utils.py
+            return torch.optim.Adam(self.parameters(), lr=1e-3, eps=1e-4)
+
+    ddp = LitAdam()
+    _trainer("ddp", ZERO_STEPS, tmp, enable_progress_bar=False).fit(ddp, loader())
+    out = {}
+    for stage in (2, 3):
+        ours = LitAdam()
+        strategy = NnScalerStrategy(
+            compute_config=ComputeConfig(plan_ngpus=1, runtime_ngpus=2, zero_stage=stage),
+            pas_policy="dp", gen_savedir=os.path.join(tmp, f"gen{stage}"))
+        trainer = _trainer(strategy, ZERO_STEPS, tmp, enable_progress_bar=False)
+        trainer.fit(ours, loader())
+        torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(ddp.losses),
+                                   rtol=1e-5, atol=1e-6)
+        assert ours.model.reducers[0].stage == stage
+        path = os.path.join(tmp, f"zero{stage}.ckpt")
+        trainer.save_checkpoint(path)
+        merged, _ = merge_checkpoint(path)
+        plain = GPTWithLoss(config)
+        plain.load_state_dict(merged)
+        for (name, p), q in zip(plain.named_parameters(), ddp.model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"zero{stage} merged {n}: {m}")
+        out[stage] = len(ours.losses)
+    return out
+
+
+def test_lightning_strategy_with_zero_stages_2_and_3(tmp_path):
+    expected = {2: ZERO_STEPS, 3: ZERO_STEPS}
+    assert run_distributed(_zero_worker, 2, str(tmp_path), timeout=600) == [expected] * 2
