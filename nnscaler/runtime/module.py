@@ -313,6 +313,11 @@ class ParallelModule(torch.nn.Module):
                 zero_stage=self._stage_of(holders, cfg.zero_stage), units=list(units.items()),
                 reduce_dtype=None if cfg.reduce_dtype is None else getattr(torch, cfg.reduce_dtype),
             ))
+        if self.pipeline is not None and cfg.zero_stage >= 2:
+            # stage 3 reduces in the step's last backward; a reducer whose ranks run
+            # different stages (they reach a hook at different times) in sync_grad
+            for r in self._reducers:
+                r.hold_in_no_sync = r.stage >= 3 or self._spans_stages(r.ranks)
         if cfg.zero_stage >= 3:
             self._start_zero3()
 
@@ -324,18 +329,19 @@ class ParallelModule(torch.nn.Module):
         for name in dir(type(self)):
             if name.startswith("_recompute_"):  # an instance attribute shadows the method
                 setattr(self, name, runner.recomputing(getattr(self, name)))
-        for r in runner.reducers:
-            r.hold_in_no_sync = self.pipeline is not None
 
     def _stage_of(self, holders: tuple[int, ...], stage: int) -> int:
         """The ZeRO stage of the reducer over ``holders``: a pipeline's piece held by
         several ranks of a scale unit (a weight tied across stages, a replicated piece
         under ``hybrid``) keeps its parameters whole (stage 2): its ranks run different
-        stages at different times, and a gather needs them all at once."""
+        stages at different times, and a gather needs them all at once. Its gradients
+        are reduced once per step too, by `sync_grad`, after the schedule."""
+        return 2 if stage >= 3 and self._spans_stages(holders) else stage
+
+    def _spans_stages(self, holders: Sequence[int]) -> bool:
+        """Whether a pipeline's piece is held by several ranks of one scale unit."""
         units = {h // self.plan_ngpus for h in holders}
-        if stage >= 3 and self.pipeline is not None and len(units) < len(holders):
-            return 2
-        return stage
+        return self.pipeline is not None and len(units) < len(holders)
 
     # -- the optimizer's view -----------------------------------------------------------
     @property

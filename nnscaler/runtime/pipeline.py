@@ -381,9 +381,10 @@ class _Run:
             self.backward(m, s)
             return
         with contextlib.ExitStack() as stack:
-            if (m, s) in self.last_backward:
-                for r in self.module.reducers:
-                    stack.enter_context(r.syncing())
+            if (m, s) in self.last_backward:  # a stage-2 reducer of a stage-3 module
+                for r in self.module.reducers:  # spans stages: it waits for sync_grad
+                    if r.stage >= 3:
+                        stack.enter_context(r.syncing())
             self.backward(m, s)
         zero3.end_backward()
 

@@ -132,7 +132,7 @@ class Reducer:
                              f"reduce-scattered gradients), got zero_stage={stage}")
         self.reduce_dtype = reduce_dtype
         #: stage 3 in a pipeline: inside no_sync, gradients accumulate whole and the
-        #: reduce-scatter waits for the step's last backward (see `end_backward`)
+        #: reduce-scatter waits for a backward outside it (`syncing`) or `sync_grads`
         self.hold_in_no_sync = False
         self._used: dict[int, set[int]] = {}  # held backward: bucket -> params done
         #: how a stage-3 unit is freed (`nnscaler.runtime.zero3.Zero3Runner` sets it)
@@ -323,7 +323,8 @@ class Reducer:
         used = self._used.setdefault(bi, set())
         used.add(pi)
         if len(used) == len(bucket.params):
-            self.release_unit(bucket)
+            if self.stage >= 3:
+                self.release_unit(bucket)
             used.clear()
 
     def end_backward(self) -> None:

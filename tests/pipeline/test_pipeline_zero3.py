@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from dist_utils import run_distributed
-from pipeline_helpers import generate, micro_batches, plan
+from pipeline_helpers import config, generate, micro_batches, plan, run_parity
 
 from nnscaler.codegen import load_generated_class
 from nnscaler.policies import pp
@@ -74,3 +74,12 @@ def test_stage3_reduces_once_per_step_and_gathers_per_micro_batch(tmp_path):
         assert res["per_micro_batch"]["most"] <= 3
         assert res["kept"]["gathers"] == len(units)  # once per step
         assert res["kept"]["most"] == len(units)
+
+
+def test_stage3_parity_interleaved(tmp_path):
+    """1F1B interleaved (stages 0 and 2 on rank 0): each rank's units span two stages,
+    and the tied embedding, held by both ranks, keeps stage 2's layout and is reduced
+    once, after the schedule."""
+    cfg = config(2, pipeline_nmicros=4, pipeline_scheduler="1f1b_interleaved")
+    cfg.use_zero, cfg.zero_stage = True, 3
+    run_parity(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
