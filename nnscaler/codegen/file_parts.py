@@ -70,15 +70,23 @@ def _zero3_held(p: Program, rank: int) -> str:
     ngroups = p.reducer_config.get("zero_ngroups", 1)
     by_unit: dict[str, list[str]] = {}
     shards: set[int] = set()
+    whole: list[str] = []  # a pipeline's piece held by several ranks of a unit: stage 2
     for leaf in p.leaves.values():
         holders = p.leaf_holders(leaf, device)
         if leaf.full.kind is TensorKind.PARAMETER and leaf.full.requires_grad and holders:
+            if p.pipeline is not None and len(holders) > p.nunits:
+                whole.append(leaf.name)
+                continue
             by_unit.setdefault(unit_of(leaf.full.names[0], units), []).append(leaf.name)
             shards.add(max(1, len(holders) // ngroups))
     parts = [f"{unit or 'the rest'}: {', '.join(names)}" for unit, names in by_unit.items()]
-    return (f"ZeRO stage 3: this rank holds 1/{'/'.join(map(str, sorted(shards)))} (its "
-            f"shard) of these parameters, gathered one unit at a time while forward and "
-            f"backward use them (nnscaler.runtime.zero3), by unit: {'; '.join(parts)}.")
+    text = (f"ZeRO stage 3: this rank holds 1/{'/'.join(map(str, sorted(shards or {1})))} "
+            f"(its shard) of these parameters, gathered one unit at a time while forward "
+            f"and backward use them (nnscaler.runtime.zero3), by unit: {'; '.join(parts)}.")
+    if whole:
+        text += (f" Held whole, as in stage 2 (several stages or devices of the pipeline "
+                 f"hold them): {', '.join(whole)}.")
+    return text
 
 
 def program_attributes(p: Program) -> Wrapped:

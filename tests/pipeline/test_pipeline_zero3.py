@@ -61,6 +61,10 @@ def test_stage3_reduces_once_per_step_and_gathers_per_micro_batch(tmp_path):
                           zero_stage=3, pas_config={"pipeline_nmicros": NMICROS,
                                                     "pipeline_scheduler": "1f1b"})
     outdir = generate(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
+    head = " ".join((outdir / "gencode0.py").read_text().split('"""')[1].split())
+    assert "ZeRO stage 3: this rank holds 1/1 (its shard)" in head
+    assert "Held whole, as in stage 2 (several stages or devices of the pipeline hold " \
+           "them): gpt_wte_weight." in head  # the embedding tied to the last stage's head
     data = [micro_batches("gpt", 1, NMICROS)[0]]
     results = run_distributed(_worker, 2, str(outdir), data)
     for rank, res in enumerate(results):
