@@ -80,10 +80,16 @@ def test_stage3_reduces_once_per_step_and_gathers_per_micro_batch(tmp_path):
         assert res["kept"]["most"] == len(units)
 
 
-def test_stage3_parity_interleaved(tmp_path):
+def test_stage3_parity_interleaved_with_recompute(tmp_path):
     """1F1B interleaved (stages 0 and 2 on rank 0): each rank's units span two stages,
     and the tied embedding, held by both ranks, keeps stage 2's layout and is reduced
-    once, after the schedule."""
+    once, after the schedule. Every block is recomputed too: its stage's backward
+    gathers the unit again for the recomputation."""
     cfg = config(2, pipeline_nmicros=4, pipeline_scheduler="1f1b_interleaved")
     cfg.use_zero, cfg.zero_stage = True, 3
-    run_parity(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
+    graph = plan("gpt", pp, cfg)
+    for i in range(4):
+        graph.recompute(f"gpt.blocks.{i}")
+    run_parity(tmp_path, "gpt", graph, cfg)
+    src = (tmp_path / "gen" / "gencode0.py").read_text()
+    assert src.count("torch.utils.checkpoint.checkpoint(") == 2  # blocks 0 and 2
