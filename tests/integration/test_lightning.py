@@ -192,7 +192,7 @@ def _zero_worker(rank, world, tmp):
         plain.load_state_dict(merged)
         for (name, p), q in zip(plain.named_parameters(), ddp.model.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"zero{stage} merged {n}: {m}")
+                                       msg=lambda m, n=name, s=stage: f"zero{s} merged {n}: {m}")
         out[stage] = len(ours.losses)
     return out
 

@@ -3,6 +3,7 @@ the unit names a user gives (the parity runs are in tests/parallel/test_zero_par
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -111,3 +112,49 @@ def test_an_optimizer_needing_whole_tensors_is_refused(tmp_path, stage):
                                              rf"{stage}.*elementwise optimizer"):
         build_optimizer(pm, torch.optim.Adafactor)
     build_optimizer(pm, torch.optim.SGD, lr=0.1)  # elementwise: fine
+
+
+def test_kept_gathered_gathers_each_unit_once_and_trains_the_same(tmp_path, monkeypatch):
+    """Two micro-batches inside `kept_gathered`: one gather per unit (instead of one per
+    forward and backward), every unit freed on the way out and by the optimizer's step,
+    and the same losses and weights as without it (bitwise, one process)."""
+    from nnscaler.runtime.zero3 import kept_gathered
+
+    batches = [make_batch(CONFIG, 2, seed=s) for s in (1, 2)]
+    runs = []
+    real = zero3.gather_unit
+    for keep in (False, True):
+        pm = _parallel(tmp_path)
+        opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+        buckets = [b for r in pm.reducers for b in r.buckets]
+        gathers = []
+
+        def counting(reducer, bucket, async_op=False, gathers=gathers):
+            gathers.append(not bucket.gathered)
+            real(reducer, bucket, async_op)
+
+        monkeypatch.setattr(zero3, "gather_unit", counting)
+        losses = []
+        for _ in range(2):
+            gathers.clear()
+            with kept_gathered(pm) if keep else contextlib.nullcontext():
+                for batch in batches:
+                    loss = pm(batch)
+                    loss.backward()
+                    losses.append(loss.item())
+                if keep:
+                    assert all(b.gathered for b in buckets)
+                    opt.step()  # a kept unit would be stale after the step: freed
+                    assert not any(b.gathered for b in buckets)
+            if not keep:
+                opt.step()
+            opt.zero_grad()
+            assert not any(b.gathered for b in buckets)
+            # without: each unit in each forward and each backward of the 2 micro-batches
+            assert sum(gathers) == (len(buckets) if keep else 2 * 2 * len(buckets))
+        with gathered(pm):
+            weights = {n: p.detach().clone() for n, p in pm.named_parameters()}
+        runs.append((losses, weights))
+    assert runs[0][0] == runs[1][0]
+    for name, w in runs[0][1].items():
+        assert torch.equal(w, runs[1][1][name]), name
