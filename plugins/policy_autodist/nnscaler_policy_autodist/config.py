@@ -43,6 +43,9 @@ KEYS: dict[str, str] = {
     "solver": "'auto', 'ilp' or 'dp'",
     "max_partition_degree": "the largest tensor-parallel degree of a stage",
     "device_type": "plan for a named device ('cpu', 'H100', 'A100', ...) instead of this one",
+    "devices_per_node": "devices in each node (default: the device's own figure, 8 for a "
+                        "named GPU): collectives inside a node run at its bandwidth, across "
+                        "nodes at the network's",
     "profile_dir": "where measured op and communication times are cached",
     "verbose": "log every op's choice and the solver's progress",
     "update_freq": "micro-batches per optimizer step (gradient accumulation; default 1): "
@@ -87,6 +90,7 @@ class AutoDistConfig:
     solver: str = "auto"
     max_partition_degree: int | None = None
     device_type: str | None = None
+    devices_per_node: int | None = None
     profile_dir: Path = attrs.field(factory=default_profile_dir)
     update_freq: int = 1
     task_name: str | None = None
@@ -181,6 +185,8 @@ def parse_config(pas_config: Mapping[str, Any] | None,
             raise _bad("device_type", dev, f"one of {', '.join(DEVICE_SPECS)}")
         dev = next(k for k in DEVICE_SPECS if k.lower() == dev.lower())
     out["device_type"] = dev
+    if cfg.get("devices_per_node") is not None:
+        out["devices_per_node"] = _positive_int("devices_per_node", cfg["devices_per_node"])
     if cfg.get("profile_dir") is not None:
         out["profile_dir"] = _path("profile_dir", cfg["profile_dir"])
     verbose = cfg.get("verbose", False)

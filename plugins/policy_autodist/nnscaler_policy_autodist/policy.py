@@ -34,7 +34,13 @@ from nnscaler.extend import (
     call_on_every_rank,
     policy_config,
 )
-from nnscaler_policy_autodist.comm import CommModel, comm_measured, device_spec, measure_comm
+from nnscaler_policy_autodist.comm import (
+    CommModel,
+    DeviceSpec,
+    comm_measured,
+    device_spec,
+    measure_comm,
+)
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
 from nnscaler_policy_autodist.mesh import Mesh, rank_meshes, unit_sizes
@@ -96,6 +102,22 @@ def _recompute_paths(graph: IRGraph, names: tuple[str, ...]) -> list[str]:
 
 def _in(op: Op, path: str) -> bool:
     return op.module_path == path or op.module_path.startswith(path + ".")
+
+
+def _with_nodes(spec: DeviceSpec, per_node: int | None, runtime: int) -> DeviceSpec:
+    """``spec`` with ``pas_config['devices_per_node']``: the job's devices fill whole
+    nodes, or it runs inside part of one."""
+    if per_node is None:
+        return spec
+    if runtime % per_node and per_node % runtime:
+        whole = [n for n in range(1, runtime + 1) if runtime % n == 0]
+        raise AutoDistError(
+            f"policy 'autodist': pas_config['devices_per_node'] is {per_node}, which does not "
+            f"divide runtime_ngpus={runtime}: the job would hold part of a node. Give the "
+            f"devices of each node, one of {whole}, or a runtime_ngpus that is a multiple of "
+            f"{per_node}"
+        )
+    return attrs.evolve(spec, per_node=min(per_node, runtime))
 
 
 def _unit_sizes(config: ComputeConfig, cfg: AutoDistConfig) -> list[int]:
@@ -161,7 +183,8 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     if here and not comm_measured(cfg.profile_dir, runtime):
         # every rank takes part (while rank 0 plans); alone, there is nothing to measure
         call_on_every_rank(measure_comm, cfg.profile_dir)
-    spec = device_spec(cfg.device_type, cfg.profile_dir, runtime)
+    spec = _with_nodes(device_spec(cfg.device_type, cfg.profile_dir, runtime),
+                       cfg.devices_per_node, runtime)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
     profiler.note_program(ops)
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
