@@ -89,8 +89,10 @@ def _rank(rank: int, world: int, seq: int, steps: int, gen: str) -> dict[str, fl
 def _measure(degree: int, seq: int, steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as gen:
         rows = launch(_rank, degree, seq, steps, gen)
-    return {"peak": max(r["peak"] for r in rows), "step": max(r["step"] for r in rows),
-            "loss": rows[0]["loss"]}
+    out = {"peak": max(r["peak"] for r in rows), "step": max(r["step"] for r in rows),
+           "loss": rows[0]["loss"]}
+    print(f"# degree {degree}, {seq} tokens: {json.dumps(out)}", flush=True)
+    return out
 
 
 def table(args: argparse.Namespace) -> dict[str, Any]:
