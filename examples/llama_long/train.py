@@ -45,15 +45,18 @@ def build(seq: int, degree: int, *, attention: str = "ring", workdir: str = ".",
     return pm, dummy
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
 def train(seq: int, steps: int, degree: int, *, lr: float = 3e-3, workdir: str = ".",
-          log: bool = True, **kw: Any) -> dict[str, Any]:
+          log: bool = True, optimizer: str = "adamw", **kw: Any) -> dict[str, Any]:
     """Train ``steps`` steps; returns this rank's losses and seconds per step."""
     import torch.distributed as dist
 
     from nnscaler import build_optimizer
 
     pm, _ = build(seq, degree, workdir=workdir, **kw)
-    opt = build_optimizer(pm, torch.optim.AdamW, lr=lr)
+    opt = build_optimizer(pm, OPTIMIZERS[optimizer], lr=lr)
     units = dist.get_world_size() // degree
     unit = dist.get_rank() // degree
     data = byte_windows(seq, steps * units)
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="context-parallel degree (plan_ngpus); default: every process")
     parser.add_argument("--attention", choices=("ring", "ulysses"), default="ring")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument("--workdir", default=".")
     ns = parser.parse_args(argv)
     from nnscaler.runtime import init_distributed
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     degree = ns.degree or dist.get_world_size()
     return train(ns.seq, ns.steps, degree, lr=ns.lr, workdir=ns.workdir,
-                 attention=ns.attention)
+                 optimizer=ns.optimizer, attention=ns.attention)
 
 
 if __name__ == "__main__":
