@@ -5,11 +5,12 @@ run_plan; tp finds Megatron's MLP; data follows the batch; the errors say what t
 from __future__ import annotations
 
 import pytest
-from policy_cases import MODELS, assert_reproduces, case, config, fresh
+import torch
+from policy_cases import BATCH, MODELS, assert_reproduces, case, config, fresh
 
 from nnscaler.codegen import build_program
 from nnscaler.errors import UnknownNameError
-from nnscaler.graph import IRGraph
+from nnscaler.graph import IRGraph, run_plan
 from nnscaler.ir import TensorKind
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies import PolicyError, adapters, data, dp, tp
@@ -146,6 +147,29 @@ def test_data_program_is_dp_program(name, units):
     params = [leaf for leaf in program.leaves.values() if leaf.kind is TensorKind.PARAMETER]
     assert params and all(leaf.layout.r == 2 for leaf in params)
     assert program.reducer_groups == [tuple(range(2 * units))]
+
+
+def test_data_loss_is_the_mean_over_the_whole_batch_when_parts_ignore_unevenly():
+    """The first half of the batch has most labels ignored (-100), the second none: a
+    mean over each part's own tokens would weigh them wrongly; the split loss divides the
+    parts' summed losses by the count over every part."""
+    c = case("gpt")
+    batch = {k: v.clone() for k, v in c.args["batch"].items()}
+    batch["labels"][: BATCH // 2, 1:] = -100
+    graph = data(fresh("gpt"), config(2))
+    c.module.zero_grad(set_to_none=True)
+    try:
+        expected = c.module(batch)
+        expected.backward()
+        grads = {n: p.grad.clone() for n, p in c.module.named_parameters()}
+        c.module.zero_grad(set_to_none=True)
+        out = run_plan(graph, c.module, {"batch": batch})
+        torch.testing.assert_close(out.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+        out.backward()
+        for n, p in c.module.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
+    finally:
+        c.module.zero_grad(set_to_none=True)
 
 
 def test_data_batch_dims_option_names_arguments():
