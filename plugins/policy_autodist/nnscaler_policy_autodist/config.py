@@ -177,16 +177,7 @@ def parse_config(pas_config: Mapping[str, Any] | None,
     if cfg.get("max_partition_degree") is not None:
         out["max_partition_degree"] = _positive_int("max_partition_degree",
                                                     cfg["max_partition_degree"])
-    dev = cfg.get("device_type")
-    if dev is not None:
-        from nnscaler_policy_autodist.comm import DEVICE_SPECS
-
-        if not isinstance(dev, str) or dev.lower() not in {k.lower() for k in DEVICE_SPECS}:
-            raise _bad("device_type", dev, f"one of {', '.join(DEVICE_SPECS)}")
-        dev = next(k for k in DEVICE_SPECS if k.lower() == dev.lower())
-    out["device_type"] = dev
-    if cfg.get("devices_per_node") is not None:
-        out["devices_per_node"] = _positive_int("devices_per_node", cfg["devices_per_node"])
+    out.update(_device_keys(cfg))
     if cfg.get("profile_dir") is not None:
         out["profile_dir"] = _path("profile_dir", cfg["profile_dir"])
     verbose = cfg.get("verbose", False)
@@ -194,6 +185,23 @@ def parse_config(pas_config: Mapping[str, Any] | None,
         raise _bad("verbose", verbose, "True or False")
     out["verbose"] = verbose
     return AutoDistConfig(**out, **_nnscaler_keys(cfg))
+
+
+def _device_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``device_type`` (a name of `DEVICE_SPECS`, any case) and ``devices_per_node``,
+    checked."""
+    from nnscaler_policy_autodist.comm import DEVICE_SPECS
+
+    out: dict[str, Any] = {}
+    dev = cfg.get("device_type")
+    if dev is not None:
+        if not isinstance(dev, str) or dev.lower() not in {k.lower() for k in DEVICE_SPECS}:
+            raise _bad("device_type", dev, f"one of {', '.join(DEVICE_SPECS)}")
+        dev = next(k for k in DEVICE_SPECS if k.lower() == dev.lower())
+    out["device_type"] = dev
+    if cfg.get("devices_per_node") is not None:
+        out["devices_per_node"] = _positive_int("devices_per_node", cfg["devices_per_node"])
+    return out
 
 
 def _nnscaler_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
