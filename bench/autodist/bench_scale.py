@@ -14,8 +14,15 @@ code generation of 40 x 3 checkpointed pieces per rank); goal under 15 s.
 
 Usage::
 
-    python bench/autodist/bench_scale.py [--layers 80] [--plan-ngpus 64] [--runtime-ngpus 1024]
+    python bench/autodist/bench_scale.py [--layers 80] [--plan-ngpus 64|auto]
+        [--runtime-ngpus 1024] [--batch 1] [--seq 4096] [--profile PATH]
     python bench/autodist/bench_scale.py --model gpt18b --recompute
+
+``--batch`` sequences of ``--seq`` tokens are the traced batch (what one scale unit
+computes per micro-batch); ``--plan-ngpus auto`` lets autodist choose the unit size too
+(every divisor of ``--runtime-ngpus``, pruned by lower bounds). ``--profile PATH`` also
+writes a cProfile of ``parallelize`` and prints the search's phases from it (cumulative
+time per function, less sensitive to the load of a shared machine than wall time).
 """
 
 from __future__ import annotations
@@ -76,7 +83,8 @@ class PhaseClock:
         import nnscaler.trace as ntrace
 
         self.wrap(ntrace, "trace", "trace")
-        self.wrap(policy, "search_pipeline", "search")
+        self.wrap(policy, "search_pipeline", "search")  # kernels before the bounds
+        self.wrap(policy, "search_pipeline_bounded", "search")
         self.wrap(policy, "_apply", "apply")
         self.wrap(gcheck, "check_plan", "check")
         import nnscaler.codegen.program as cprogram
@@ -98,12 +106,44 @@ class WithLoss(nn.Module):
         return self.model(**batch).loss
 
 
+def _ngpus(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+#: cProfile rows summed into the phases of the search (cumulative seconds of each)
+SEARCH_PHASES = {
+    "floor": "policy.py:.*\\(compute_floor\\)",
+    "build": "model.py:.*\\(build\\)",
+    "solve": "spmd.py:.*\\(solve\\)",
+    "cuts": "pipeline.py:.*\\(_best_cuts\\)",
+    "search_meshes": "policy.py:.*\\(_search_meshes\\)",
+    "search_pipeline": "pipeline.py:.*\\(search_pipeline(_bounded)?\\)",
+    "plan_graph": "policy.py:.*\\(plan_graph\\)",
+}
+
+
+def search_phases(path: str) -> dict[str, float]:
+    """Cumulative seconds of the search's functions in the cProfile at ``path``."""
+    import pstats
+    import re
+
+    stats = pstats.Stats(path).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    out = {}
+    for phase, pattern in SEARCH_PHASES.items():
+        rx = re.compile(pattern)
+        out[phase] = round(sum(v[3] for (f, line, name), v in stats.items()
+                               if rx.search(f"{os.path.basename(f)}:{line}({name})")), 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--plan-ngpus", type=int, default=64)
+    ap.add_argument("--plan-ngpus", type=_ngpus, default=64,
+                    help="devices per scale unit, or 'auto' (autodist chooses)")
     ap.add_argument("--runtime-ngpus", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1, help="sequences in the traced batch")
     ap.add_argument("--profile", metavar="PATH", help="also write a cProfile of parallelize")
     ap.add_argument("--model", choices=("llama70b", "gpt18b"), default="llama70b")
     ap.add_argument("--recompute", action="store_true", help="recompute every layer")
@@ -116,6 +156,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nnscaler.autodist").setLevel(logging.INFO)
     import transformers
+
+    from nnscaler_policy_autodist import NoPlanFits
 
     from nnscaler import ComputeConfig, parallelize
 
@@ -143,7 +185,7 @@ def main() -> None:
         pas["recompute_modules"] = block
     params = sum(p.numel() for p in model.parameters())
     built = time.perf_counter() - t0
-    ids = torch.zeros(1, args.seq, dtype=torch.long)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     compute = ComputeConfig(
         plan_ngpus=args.plan_ngpus, runtime_ngpus=args.runtime_ngpus, use_end2end=True,
         use_zero=True, trace_strategy="meta", pas_config=pas)
@@ -158,13 +200,20 @@ def main() -> None:
         t1 = time.perf_counter()
         if prof is not None:
             prof.enable()
-        parallelize(model, {"batch": {"input_ids": ids, "labels": ids}}, "autodist", compute,
-                    gen_savedir=gen, load_module=False)
-        if prof is not None:
-            prof.disable()
+        failed = None
+        try:
+            parallelize(model, {"batch": {"input_ids": ids, "labels": ids}}, "autodist",
+                        compute, gen_savedir=gen, load_module=False)
+        except NoPlanFits as e:  # still a search to time: say so and report it
+            failed = str(e).split(". Raise")[0]
+        finally:
+            if prof is not None:
+                prof.disable()
         seconds = time.perf_counter() - t1
         if prof is not None:
             prof.dump_stats(args.profile)
+            print("search phases from cProfile (cumulative s): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in search_phases(args.profile).items()))
         paths = sorted(os.path.join(d, n) for d, _, ns in os.walk(gen) for n in ns)
         files = [os.path.basename(p) for p in paths]
         written = sum(os.path.getsize(p) for p in paths)
@@ -173,6 +222,8 @@ def main() -> None:
             if os.path.basename(path).startswith("gencode"):
                 with open(path, "rb") as f:
                     digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    if failed:
+        print(f"NO PLAN: {failed}")
     phases = {k: round(v, 2) for k, v in clock.seconds.items()}
     phases["other"] = round(seconds - sum(clock.seconds.values()), 2)
     print("phases (s): " + ", ".join(f"{k} {v:.2f}" + (f" ({clock.calls[k]} calls)"
@@ -182,11 +233,12 @@ def main() -> None:
     print(f"{args.model} {args.layers} layers{' (recomputed)' if args.recompute else ''}, {params / 1e9:.1f} B parameters (meta), built in "
           f"{built:.1f} s; parallelize(load_module=False) for {args.runtime_ngpus} devices "
           f"(plan_ngpus {args.plan_ngpus}): {seconds:.1f} s (goal < {target} s): "
-          f"{'ok' if seconds < target else 'MISSED'}; {len(files)} files written "
+          f"{'ok' if seconds < target and not failed else 'MISSED'}; {len(files)} files written "
           f"({written / 1e6:.1f} MB)")
     print(json.dumps({"bench": "autodist_scale", "model": args.model,
                       "recompute": args.recompute, "layers": args.layers, "params": params,
                       "plan_ngpus": args.plan_ngpus, "runtime_ngpus": args.runtime_ngpus,
+                      "batch": args.batch, "seq": args.seq, "planned": not failed,
                       "parallelize_s": round(seconds, 1), "phases_s": phases,
                       "files": len(files), "bytes": written,
                       "gencode_sha256": digest.hexdigest()[:16]}))

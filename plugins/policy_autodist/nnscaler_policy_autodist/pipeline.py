@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from nnscaler.extend import Op, SubTensor, layer_path
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError
+from nnscaler_policy_autodist.mesh import SLACK
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution, evaluate, solve
 
-__all__ = ["PipelinePlan", "count_layers", "inflight", "search_pipeline", "stage_counts",
-           "stages_time", "step_time"]
+__all__ = ["PipelinePlan", "count_layers", "inflight", "search_pipeline",
+           "search_pipeline_bounded", "stage_counts", "stages_time", "step_time"]
 
 logger = logging.getLogger("nnscaler.autodist.pipeline")  # under nnscaler's loggers
 
@@ -257,11 +258,39 @@ def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistCo
                     limit: float | None, nmicros: int, outputs: Sequence[SubTensor]
                     ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]]:
     """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows."""
+    found = search_pipeline_bounded(ops, n, model, cfg, limit, nmicros, outputs)
+    assert found is not None  # no cap: every stage count is searched
+    return found
+
+
+def search_pipeline_bounded(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistConfig,
+                            limit: float | None, nmicros: int, outputs: Sequence[SubTensor],
+                            bound: Callable[[int], float] | None = None,
+                            cap: float | None = None,
+                            ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]] | None:
+    """`search_pipeline`, pruned: ``bound(s)`` is a lower bound on the step time of any
+    plan of ``s`` stages (`nnscaler_policy_autodist.mesh.step_bound`); stage counts are
+    visited by their bound, and one whose bound is above the best step found, or above
+    ``cap`` (seconds: a plan must beat it to matter), is skipped. ``None`` when every
+    stage count that fits was skipped by ``cap``."""
     outs = {t.full for t in outputs}
     counts = stage_counts(n, cfg, len(ops), count_layers(ops))
+    if bound is not None:
+        counts = sorted(counts, key=lambda s: (bound(s), s))
     best = None
+    skipped = False
     failures: list[NoPlanFits] = []
     for s in counts:
+        if bound is not None:
+            tops = [x for x in (cap, None if best is None else best[0].step_time)
+                    if x is not None]
+            above = min(tops) if tops else None
+            if above is not None and bound(s) > above * (1.0 + SLACK):
+                skipped = True
+                logger.info("autodist: %d stage(s) of %d device(s) skipped: their lower "
+                            "bound %.3f ms is above %.3f ms", s, n // s, bound(s) * 1e3,
+                            above * 1e3)
+                continue
         try:
             found = _plan_for(ops, n, s, model, cfg, limit, nmicros, outs)
         except NoPlanFits as e:
@@ -271,6 +300,8 @@ def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistCo
                     found[0].step_time * 1e3)
         if best is None or found[0].step_time < best[0].step_time:
             best = found
+    if best is None and skipped:
+        return None
     if best is None:
         need = min(e.need for e in failures)
         raise NoPlanFits(need, limit or 0.0)

@@ -30,6 +30,7 @@ from nnscaler.extend import (
     IRGraph,
     Op,
     PartitionError,
+    TensorKind,
     as_policy_graph,
     call_on_every_rank,
     policy_config,
@@ -43,12 +44,18 @@ from nnscaler_policy_autodist.comm import (
 )
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
-from nnscaler_policy_autodist.mesh import Mesh, rank_meshes, unit_sizes
+from nnscaler_policy_autodist.mesh import (
+    Mesh,
+    rank_meshes,
+    search_meshes,
+    step_bound,
+    unit_sizes,
+)
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
     count_layers,
-    search_pipeline,
+    search_pipeline_bounded,
     stage_counts,
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
@@ -133,22 +140,98 @@ def _unit_sizes(config: ComputeConfig, cfg: AutoDistConfig) -> list[int]:
     return [n for n in unit_sizes(config.runtime_ngpus) if n % s == 0]
 
 
+def compute_floor(ops: list[Op], model: CostModel, k: int) -> float:
+    """Seconds per micro-batch that ``ops`` compute at least on stages of ``k`` devices:
+    per op, the least forward + backward (+ recomputed forward) of any option the model
+    gives it (`CostModel.transforms`); an option's time adds communication and the
+    optimizer's step to this, so the sum bounds every plan's stage times from below."""
+    total = 0.0
+    for op in ops:
+        grads = not op.no_grad and any(x.full.requires_grad for x in op.input_tensors())
+        again = grads and op.oid in model.recompute
+        least = float("inf")
+        for t in model.transforms(op, k):
+            fw, bw = model.profiler.time(op, t, k)
+            least = min(least, fw + (bw if grads else 0.0) + (fw if again else 0.0))
+        total += least
+    return total
+
+
+def weights_floor(ops: list[Op]) -> float:
+    """Bytes the weights take at least over all devices of a unit: every weight is held
+    once at least, with its gradient when it is trained (the model counts a piece's
+    parameter and gradient, plus its optimizer state)."""
+    seen: set = set()
+    total = 0.0
+    for op in ops:
+        for x in op.input_tensors():
+            full = x.full
+            if full in seen or not full.is_leaf or full.kind is TensorKind.INPUT:
+                continue
+            seen.add(full)
+            total += full.numel * full.dtype.itemsize * (2 if full.requires_grad else 1)
+    return total
+
+
+class _Bounds:
+    """Lower bounds of the mesh search, cached across unit sizes: the computation floor
+    depends on the stage's degree only, not on the unit size or the replicas."""
+
+    def __init__(self, ops: list[Op], cfg: AutoDistConfig, nmicros: int) -> None:
+        self.ops, self.cfg, self.nmicros = ops, cfg, nmicros
+        self.layers = count_layers(ops)
+        self._floor: dict[int, float] = {}
+        self.weights = weights_floor(ops)
+
+    def floor(self, model: CostModel, k: int) -> float:
+        if k not in self._floor:
+            self._floor[k] = compute_floor(self.ops, model, k)
+        return self._floor[k]
+
+    def step(self, model: CostModel, n: int, s: int) -> float:
+        """Lower bound on the step time of ``s`` stages of ``n // s`` devices."""
+        return step_bound(self.floor(model, n // s), s, self.nmicros, model.share)
+
+    def per_batch(self, model: CostModel, n: int, runtime: int) -> float:
+        """Lower bound on the time per batch of unit size ``n``."""
+        counts = stage_counts(n, self.cfg, len(self.ops), self.layers)
+        return min(self.step(model, n, s) for s in counts) / (runtime // n)
+
+
 def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistConfig,
                    limit: float | None, nmicros: int, outputs: list, runtime: int,
                    ) -> tuple[int, tuple, tuple[Mesh, ...]]:
-    """The plan at each unit size; the best mesh's size, its plan and every mesh ranked."""
-    found, meshes = {}, []
-    for n, model in models.items():
+    """The plan at each unit size, pruned by lower bounds (`mesh.search_meshes`); the
+    best mesh's size, its plan and every mesh ranked."""
+    found: dict[int, tuple] = {}
+    bounds = _Bounds(ops, cfg, nmicros)
+
+    def search(n: int, cap: float | None, memory_floor: bool = True) -> Mesh | None:
+        replicas = runtime // n
+        if memory_floor and limit is not None and bounds.weights / n > limit:
+            logger.info("autodist: unit of %d device(s) skipped: its weights need at least "
+                        "%.3f GB per device", n, bounds.weights / n / 1024**3)
+            return Mesh(n, replicas, None, bounds.weights / n, pruned="memory")
         try:
-            found[n] = search_pipeline(ops, n, model, cfg, limit, nmicros, outputs)
+            plan = search_pipeline_bounded(
+                ops, n, models[n], cfg, limit, nmicros, outputs,
+                bound=lambda s: bounds.step(models[n], n, s), cap=cap)
         except NoPlanFits as e:
-            meshes.append(Mesh(n, runtime // n, None, e.need))
-            continue
-        pipe, _, sols = found[n]
-        meshes.append(Mesh(n, runtime // n, pipe.step_time, max(s.mem for s in sols),
-                           pipe.nstages))
-        logger.info("autodist: mesh %s: estimated step %.3f ms", meshes[-1].describe(),
+            return Mesh(n, replicas, None, e.need)
+        if plan is None:
+            return None
+        found[n] = plan
+        pipe, _, sols = plan
+        mesh = Mesh(n, replicas, pipe.step_time, max(s.mem for s in sols), pipe.nstages)
+        logger.info("autodist: mesh %s: estimated step %.3f ms", mesh.describe(),
                     pipe.step_time * 1e3)
+        return mesh
+
+    meshes = search_meshes(models, runtime,
+                           lambda n: bounds.per_batch(models[n], n, runtime), search)
+    if not any(m.fits for m in meshes):  # the least memory of those skipped is exact
+        meshes = [search(m.unit, None, memory_floor=False) if m.pruned == "memory" else m
+                  for m in meshes]
     ranked = tuple(rank_meshes(meshes))
     if not ranked[0].fits:
         e = NoPlanFits(ranked[0].memory, limit or 0.0)
@@ -216,8 +299,12 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
             ops, models, cfg, limit, nmicros, g.output_tensors(), runtime)
     else:
         n = sizes[0]
-        pipe, problems, solutions = search_pipeline(ops, n, models[n], cfg, limit, nmicros,
-                                                    g.output_tensors())
+        bounds = _Bounds(ops, cfg, nmicros)
+        found = search_pipeline_bounded(ops, n, models[n], cfg, limit, nmicros,
+                                        g.output_tensors(),
+                                        bound=lambda s: bounds.step(models[n], n, s))
+        assert found is not None  # no cap: a stage count is always searched
+        pipe, problems, solutions = found
     profiler.save()
     _apply(g, pipe, problems, solutions)
     for path in rec_paths:

@@ -13,7 +13,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from nnscaler_policy_autodist import NoPlanFits, plan_graph
-from nnscaler_policy_autodist.mesh import Mesh, rank_meshes, unit_sizes
+from nnscaler_policy_autodist.mesh import (
+    Mesh,
+    rank_meshes,
+    search_meshes,
+    step_bound,
+    unit_sizes,
+)
+from nnscaler_policy_autodist.pipeline import step_time
 
 from nnscaler.config import ComputeConfig, ComputeConfigError
 from nnscaler.graph import IRGraph, run_plan
@@ -48,6 +55,62 @@ def test_the_best_mesh_is_first(found):
         assert (a.time_per_batch, a.memory) <= (b.time_per_batch, b.memory)
     rest = ranked[len(fit):]
     assert all(a.memory <= b.memory for a, b in zip(rest, rest[1:]))
+
+
+@st.composite
+def estimates(draw):
+    """A world, and per unit size a true best step time (None: no plan fits) with a
+    lower bound at most its time per batch, and the memory of its plan."""
+    world = draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16, 64]))
+    truth = {}
+    for n in unit_sizes(world):
+        step = draw(st.one_of(st.none(), st.floats(1e-3, 10.0)))
+        slack = draw(st.floats(0.0, 1.0))
+        per_batch = (step if step is not None else draw(st.floats(1e-3, 10.0))) / (world // n)
+        truth[n] = (step, per_batch * slack, draw(st.sampled_from([1.0, 2.0, 3.0])))
+    return world, truth
+
+
+@given(estimates())
+def test_pruning_never_discards_the_best_mesh(case):
+    world, truth = case
+    searched = []
+
+    def search(n, cap):
+        searched.append(n)
+        step, _, mem = truth[n]
+        if step is None:
+            return Mesh(n, world // n, None, mem)
+        if cap is not None and step > cap and n % 2:  # a search may stop above its cap
+            return None
+        return Mesh(n, world // n, step, mem)
+
+    found = search_meshes(truth, world, lambda n: truth[n][1], search)
+    every = [Mesh(n, world // n, step, mem) for n, (step, _, mem) in truth.items()]
+    best = rank_meshes(every)[0]
+    assert sorted(m.unit for m in found) == sorted(truth)
+    chosen = rank_meshes(found)[0]
+    if best.fits:
+        assert (chosen.unit, chosen.step_time, chosen.memory) == (best.unit, best.step_time,
+                                                                  best.memory)
+    else:
+        assert sorted(searched) == sorted(truth)  # nothing fits: every size was searched
+    for m in found:
+        if m.pruned == "time":  # skipped: its bound is above the best, which it cannot beat
+            assert m.unit not in searched or m.bound >= best.time_per_batch
+            assert m.bound >= best.time_per_batch * (1 - 1e-9)
+    # visited by their bounds: the first is the most promising
+    assert found[0].unit == min(truth, key=lambda n: (truth[n][1], n))
+
+
+@given(st.lists(st.tuples(st.floats(1e-4, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=12),
+       st.integers(1, 32), st.sampled_from([1.0, 2.0]))
+def test_the_step_bound_is_below_every_step_time(stages, nmicros, share):
+    times = [t for t, _ in stages]
+    computes = [t * part for t, part in stages]  # of each stage's time, computation
+    floor = sum(computes)
+    assert step_bound(floor, len(stages), nmicros, share) <= step_time(
+        times, nmicros, computes, share) * (1 + 1e-12)
 
 
 def test_time_per_batch_counts_the_replicas():
