@@ -70,7 +70,8 @@ def _mesh(m: Any) -> dict[str, Any]:
     return {"replicas": m.replicas, "unit": m.unit, "stages": m.stages, "fits": m.fits,
             "step_time_ms": None if m.step_time is None else m.step_time * 1e3,
             "time_per_batch_ms": None if m.step_time is None else m.time_per_batch * 1e3,
-            "memory_gb": m.memory / 1024**3}
+            "memory_gb": m.memory / 1024**3, "pruned": m.pruned,
+            "bound_ms": None if m.bound is None else m.bound * 1e3}
 
 
 def saved_unit(path: Path, runtime_ngpus: int) -> int:

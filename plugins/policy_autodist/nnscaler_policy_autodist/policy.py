@@ -157,10 +157,13 @@ def compute_floor(ops: list[Op], model: CostModel, k: int) -> float:
     return total
 
 
-def weights_floor(ops: list[Op]) -> float:
+def weights_floor(ops: list[Op], model: CostModel) -> float:
     """Bytes the weights take at least over all devices of a unit: every weight is held
-    once at least, with its gradient when it is trained (the model counts a piece's
-    parameter and gradient, plus its optimizer state)."""
+    once at least, with its gradient and optimizer state when it is trained (as the
+    model counts a piece: parameter, gradient, ``opt_state`` x the piece over the ZeRO
+    units, and under ZeRO the stepped shard and its gradient)."""
+    units = model.units if model.zero else 1
+    trained = 2 + model.opt_state / units + (2 / units if model.zero else 0.0)
     seen: set = set()
     total = 0.0
     for op in ops:
@@ -169,7 +172,7 @@ def weights_floor(ops: list[Op]) -> float:
             if full in seen or not full.is_leaf or full.kind is TensorKind.INPUT:
                 continue
             seen.add(full)
-            total += full.numel * full.dtype.itemsize * (2 if full.requires_grad else 1)
+            total += full.numel * full.dtype.itemsize * (trained if full.requires_grad else 1)
     return total
 
 
@@ -181,12 +184,18 @@ class _Bounds:
         self.ops, self.cfg, self.nmicros = ops, cfg, nmicros
         self.layers = count_layers(ops)
         self._floor: dict[int, float] = {}
-        self.weights = weights_floor(ops)
+        self._weights: dict[tuple[int, bool, float], float] = {}
 
     def floor(self, model: CostModel, k: int) -> float:
         if k not in self._floor:
             self._floor[k] = compute_floor(self.ops, model, k)
         return self._floor[k]
+
+    def weights(self, model: CostModel) -> float:
+        key = (model.units, model.zero, model.opt_state)
+        if key not in self._weights:
+            self._weights[key] = weights_floor(self.ops, model)
+        return self._weights[key]
 
     def step(self, model: CostModel, n: int, s: int) -> float:
         """Lower bound on the step time of ``s`` stages of ``n // s`` devices."""
@@ -208,10 +217,11 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
 
     def search(n: int, cap: float | None, memory_floor: bool = True) -> Mesh | None:
         replicas = runtime // n
-        if memory_floor and limit is not None and bounds.weights / n > limit:
+        least = bounds.weights(models[n]) / n
+        if memory_floor and limit is not None and least > limit:
             logger.info("autodist: unit of %d device(s) skipped: its weights need at least "
-                        "%.3f GB per device", n, bounds.weights / n / 1024**3)
-            return Mesh(n, replicas, None, bounds.weights / n, pruned="memory")
+                        "%.3f GB per device", n, least / 1024**3)
+            return Mesh(n, replicas, None, least, pruned="memory")
         try:
             plan = search_pipeline_bounded(
                 ops, n, models[n], cfg, limit, nmicros, outputs,

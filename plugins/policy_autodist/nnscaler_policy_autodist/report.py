@@ -72,6 +72,10 @@ def _meshes(result: AutoDistResult, top: int) -> list[str]:
         if m.fits:
             est = (f"step {_ms(m.step_time)}, per batch {_ms(m.time_per_batch)}, "
                    f"memory {m.memory / GB:.4f} GB per device")
+        elif m.pruned == "time":
+            est = f"not searched: at least {_ms(m.bound)} per batch (lower bound)"
+        elif m.pruned == "memory":
+            est = f"not searched: its weights need at least {m.memory / GB:.4f} GB per device"
         else:
             est = f"no plan fits: needs {m.memory / GB:.4f} GB per device"
         lines.append(f"    {tag:6} {m.describe()}: {est}")
