@@ -192,3 +192,50 @@ def test_auto_config():
         _ = cfg.scale_units
     with pytest.raises(ComputeConfigError, match="zero_ngroups must divide the number of scale"):
         ComputeConfig("auto", 8, use_zero=True, zero_ngroups=3)  # divides no unit count of 8
+
+
+def _planning_work(batch_size, monkeypatch):
+    """Solver calls, stage problems built, options and edges over them, and layout plans
+    costed, while planning the test GPT traced at ``batch_size`` (2 stages of 2 devices)."""
+    import nnscaler_policy_autodist.model as model_mod
+    import nnscaler_policy_autodist.pipeline as pipeline_mod
+
+    work = {"solves": 0, "builds": 0, "options": 0, "edges": 0, "plans": 0}
+    solve, build, plan = pipeline_mod.solve, model_mod.CostModel.build, model_mod.plan
+
+    def counted_solve(*args, **kwargs):
+        work["solves"] += 1
+        return solve(*args, **kwargs)
+
+    def counted_build(self, *args, **kwargs):
+        problem = build(self, *args, **kwargs)
+        work["builds"] += 1
+        work["options"] += sum(len(o) for o in problem.options)
+        work["edges"] += len(problem.edges)
+        return problem
+
+    def counted_plan(*args, **kwargs):
+        work["plans"] += 1
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_mod, "solve", counted_solve)
+    monkeypatch.setattr(model_mod.CostModel, "build", counted_build)
+    monkeypatch.setattr(model_mod, "plan", counted_plan)
+    torch.manual_seed(0)
+    traced = trace(GPTWithLoss(CFG), {"batch": make_batch(CFG, batch_size)})
+    config = SimpleNamespace(plan_ngpus=4, runtime_ngpus=8, use_end2end=True, use_zero=False,
+                             pas_config={"device_type": "H100", "pipeline_nstages": 2,
+                                         "pipeline_nmicros": 4})
+    plan_graph(IRGraph.from_graph(traced), config)
+    return work
+
+
+def test_planning_work_does_not_grow_with_the_batch(monkeypatch):
+    """The batch dim splits the same ways into the unit's parts whatever its size, so a
+    batch 64 times larger builds, costs and solves exactly as much (counted, not timed)."""
+    with monkeypatch.context() as m:
+        small = _planning_work(4, m)
+    with monkeypatch.context() as m:
+        large = _planning_work(256, m)
+    assert small["solves"] > 0 and small["edges"] > 0 and small["plans"] > 0
+    assert large == small
