@@ -34,6 +34,7 @@ from nnscaler.extend import (
     as_policy_graph,
     call_on_every_rank,
     policy_config,
+    repeated_blocks,
 )
 from nnscaler_policy_autodist.comm import (
     CommModel,
@@ -140,21 +141,39 @@ def _unit_sizes(config: ComputeConfig, cfg: AutoDistConfig) -> list[int]:
     return [n for n in unit_sizes(config.runtime_ngpus) if n % s == 0]
 
 
-def compute_floor(ops: list[Op], model: CostModel, k: int) -> float:
+def compute_floor(ops: list[Op], model: CostModel, k: int,
+                  same: dict[Op, Op] | None = None) -> float:
     """Seconds per micro-batch that ``ops`` compute at least on stages of ``k`` devices:
     per op, the least forward + backward (+ recomputed forward) of any option the model
     gives it (`CostModel.transforms`); an option's time adds communication and the
-    optimizer's step to this, so the sum bounds every plan's stage times from below."""
+    optimizer's step to this, so the sum bounds every plan's stage times from below.
+    ``same[op]``: an op that computes the same (its place in the template of its
+    repeated block), whose options are timed once for all its instances."""
+    same = same or {}
+    times: dict[Op, list[tuple[float, float]]] = {}
     total = 0.0
     for op in ops:
         grads = not op.no_grad and any(x.full.requires_grad for x in op.input_tensors())
         again = grads and op.oid in model.recompute
-        least = float("inf")
-        for t in model.transforms(op, k):
-            fw, bw = model.profiler.time(op, t, k)
-            least = min(least, fw + (bw if grads else 0.0) + (fw if again else 0.0))
-        total += least
+        like = same.get(op, op)
+        if model.allowed.get(like.oid) != model.allowed.get(op.oid):  # constrained apart
+            like = op
+        if like not in times:
+            times[like] = [model.profiler.time(like, t, k) for t in model.transforms(like, k)]
+        total += min(fw + (bw if grads else 0.0) + (fw if again else 0.0)
+                     for fw, bw in times[like])
     return total
+
+
+def _templates(ops: list[Op]) -> dict[Op, Op]:
+    """Each op of a repeated block's instance -> the op at its place in the template."""
+    same: dict[Op, Op] = {}
+    for kind in repeated_blocks(ops):
+        for inst in kind.instances:
+            for op, tpl in zip(inst.ops, kind.template.ops, strict=True):
+                if op is not tpl:
+                    same[op] = tpl
+    return same
 
 
 def weights_floor(ops: list[Op], model: CostModel) -> float:
@@ -184,11 +203,12 @@ class _Bounds:
         self.ops, self.cfg, self.nmicros = ops, cfg, nmicros
         self.layers = count_layers(ops)
         self._floor: dict[int, float] = {}
+        self._same = _templates(ops)
         self._weights: dict[tuple[int, bool, float], float] = {}
 
     def floor(self, model: CostModel, k: int) -> float:
         if k not in self._floor:
-            self._floor[k] = compute_floor(self.ops, model, k)
+            self._floor[k] = compute_floor(self.ops, model, k, self._same)
         return self._floor[k]
 
     def weights(self, model: CostModel) -> float:
