@@ -156,7 +156,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("nnscaler.autodist").setLevel(logging.INFO)
     import transformers
-
     from nnscaler_policy_autodist import NoPlanFits
 
     from nnscaler import ComputeConfig, parallelize

@@ -298,7 +298,8 @@ def search_pipeline_bounded(ops: Sequence[Op], n: int, model: CostModel, cfg: Au
             continue
         logger.info("autodist: %d stage(s) of %d device(s): estimated step %.3f ms", s, n // s,
                     found[0].step_time * 1e3)
-        if best is None or found[0].step_time < best[0].step_time:
+        # ties go to fewer stages, as when the counts were tried in ascending order
+        if best is None or (found[0].step_time, s) < (best[0].step_time, best[0].nstages):
             best = found
     if best is None and skipped:
         return None

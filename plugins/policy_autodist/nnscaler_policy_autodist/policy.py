@@ -195,6 +195,21 @@ def weights_floor(ops: list[Op], model: CostModel) -> float:
     return total
 
 
+def activations_floor(ops: list[Op], model: CostModel) -> float:
+    """Bytes of activations a unit keeps for backward at least, over all its devices,
+    for one micro-batch: the floating-point outputs of every op that gradients flow
+    through and that is not recomputed (the model counts at least these, per device a
+    piece, and the pieces of a tensor cover it)."""
+    total = 0.0
+    for op in ops:
+        grads = not op.no_grad and any(x.full.requires_grad for x in op.input_tensors())
+        if not grads or op.oid in model.recompute:
+            continue
+        total += sum(y.full.numel * y.full.dtype.itemsize for y in op.output_tensors()
+                     if y.full.dtype.is_floating_point)
+    return total
+
+
 class _Bounds:
     """Lower bounds of the mesh search, cached across unit sizes: the computation floor
     depends on the stage's degree only, not on the unit size or the replicas."""
@@ -212,9 +227,12 @@ class _Bounds:
         return self._floor[k]
 
     def weights(self, model: CostModel) -> float:
+        """Bytes a unit holds at least over its devices: weights and one micro-batch's
+        activations."""
         key = (model.units, model.zero, model.opt_state)
         if key not in self._weights:
-            self._weights[key] = weights_floor(self.ops, model)
+            self._weights[key] = (weights_floor(self.ops, model)
+                                  + activations_floor(self.ops, model))
         return self._weights[key]
 
     def step(self, model: CostModel, n: int, s: int) -> float:
@@ -239,7 +257,8 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
         replicas = runtime // n
         least = bounds.weights(models[n]) / n
         if memory_floor and limit is not None and least > limit:
-            logger.info("autodist: unit of %d device(s) skipped: its weights need at least "
+            logger.info("autodist: unit of %d device(s) skipped: its weights and activations "
+                        "need at least "
                         "%.3f GB per device", n, least / 1024**3)
             return Mesh(n, replicas, None, least, pruned="memory")
         try:

@@ -75,7 +75,8 @@ def _meshes(result: AutoDistResult, top: int) -> list[str]:
         elif m.pruned == "time":
             est = f"not searched: at least {_ms(m.bound)} per batch (lower bound)"
         elif m.pruned == "memory":
-            est = f"not searched: its weights need at least {m.memory / GB:.4f} GB per device"
+            est = (f"not searched: weights and activations need at least "
+                   f"{m.memory / GB:.4f} GB per device")
         else:
             est = f"no plan fits: needs {m.memory / GB:.4f} GB per device"
         lines.append(f"    {tag:6} {m.describe()}: {est}")
