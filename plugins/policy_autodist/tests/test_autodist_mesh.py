@@ -239,3 +239,33 @@ def test_planning_work_does_not_grow_with_the_batch(monkeypatch):
         large = _planning_work(256, m)
     assert small["solves"] > 0 and small["edges"] > 0 and small["plans"] > 0
     assert large == small
+
+
+def test_the_memory_floor_is_below_every_plan(gpt, monkeypatch):
+    """The floor that skips a unit size (weights and one micro-batch's activations over
+    its devices) is at most the memory of the plan the search finds there."""
+    import nnscaler_policy_autodist.policy as policy
+
+    _, _, traced = gpt
+    floors, found = {}, {}
+    weights, search = policy._Bounds.weights, policy.search_pipeline_bounded
+
+    def recorded_weights(self, model):
+        value = weights(self, model)
+        floors[model.units] = value
+        return value
+
+    def recorded_search(ops, n, *args, **kwargs):
+        plan = search(ops, n, *args, **kwargs)
+        if plan is not None:
+            found[n] = max(s.mem for s in plan[2])
+        return plan
+
+    monkeypatch.setattr(policy._Bounds, "weights", recorded_weights)
+    monkeypatch.setattr(policy, "search_pipeline_bounded", recorded_search)
+    config = SimpleNamespace(plan_ngpus="auto", runtime_ngpus=4, use_end2end=True,
+                             use_zero=True, pas_config={"device_type": "H100"})
+    plan_graph(IRGraph.from_graph(traced), config)
+    assert found
+    for n, mem in found.items():
+        assert 0 < floors[4 // n] / n <= mem
