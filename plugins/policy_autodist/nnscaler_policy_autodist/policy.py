@@ -178,21 +178,22 @@ def _templates(ops: list[Op]) -> dict[Op, Op]:
 
 def weights_floor(ops: list[Op], model: CostModel) -> float:
     """Bytes the weights take at least over all devices of a unit: every weight is held
-    once at least, with its gradient and optimizer state when it is trained (as the
-    model counts a piece: parameter, gradient, ``opt_state`` x the piece over the ZeRO
-    units, and under ZeRO the stepped shard and its gradient)."""
-    units = model.units if model.zero else 1
-    trained = 2 + model.opt_state / units + (2 / units if model.zero else 0.0)
+    once at least, a trained one with what the model holds for it under the ZeRO stage
+    (`CostModel._weight_bytes`: linear in the piece, so the pieces of every device sum
+    to the bytes of the whole weights)."""
     seen: set = set()
-    total = 0.0
+    trained = frozen = 0.0
     for op in ops:
         for x in op.input_tensors():
             full = x.full
             if full in seen or not full.is_leaf or full.kind is TensorKind.INPUT:
                 continue
             seen.add(full)
-            total += full.numel * full.dtype.itemsize * (trained if full.requires_grad else 1)
-    return total
+            if full.requires_grad:
+                trained += full.numel * full.dtype.itemsize
+            else:
+                frozen += full.numel * full.dtype.itemsize
+    return model._weight_bytes(trained)[0] + frozen
 
 
 def activations_floor(ops: list[Op], model: CostModel) -> float:
@@ -229,7 +230,7 @@ class _Bounds:
     def weights(self, model: CostModel) -> float:
         """Bytes a unit holds at least over its devices: weights and one micro-batch's
         activations."""
-        key = (model.units, model.zero, model.opt_state)
+        key = (model.units, model.stage, model.opt_state)
         if key not in self._weights:
             self._weights[key] = (weights_floor(self.ops, model)
                                   + activations_floor(self.ops, model))
