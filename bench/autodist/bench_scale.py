@@ -22,7 +22,7 @@ Usage::
 computes per micro-batch); ``--plan-ngpus auto`` lets autodist choose the unit size too
 (every divisor of ``--runtime-ngpus``, pruned by lower bounds). ``--profile PATH`` also
 writes a cProfile of ``parallelize`` and prints the search's phases from it (cumulative
-time per function, less sensitive to the load of a shared machine than wall time).
+CPU time of this process per function: robust to the load of a shared machine).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main() -> None:
         if args.profile:
             import cProfile
 
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.process_time)  # CPU time: robust to the load
         t1 = time.perf_counter()
         if prof is not None:
             prof.enable()

@@ -279,9 +279,17 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
 
     meshes = search_meshes(models, runtime,
                            lambda n: bounds.per_batch(models[n], n, runtime), search)
-    if not any(m.fits for m in meshes):  # the least memory of those skipped is exact
-        meshes = [search(m.unit, None, memory_floor=False) if m.pruned == "memory" else m
-                  for m in meshes]
+    if not any(m.fits for m in meshes):
+        # nothing fits: the error names the least memory a plan needs, so the units
+        # skipped by their floor are searched, least floor first, while the floor is
+        # below the least need found (a unit needs at least its floor)
+        least = min((m.memory for m in meshes if m.pruned is None), default=float("inf"))
+        for i in sorted((i for i, m in enumerate(meshes) if m.pruned == "memory"),
+                        key=lambda i: (meshes[i].memory, meshes[i].unit)):
+            if meshes[i].memory >= least:
+                break
+            meshes[i] = search(meshes[i].unit, None, memory_floor=False)
+            least = min(least, meshes[i].memory)
     ranked = tuple(rank_meshes(meshes))
     if not ranked[0].fits:
         e = NoPlanFits(ranked[0].memory, limit or 0.0)
