@@ -53,7 +53,9 @@ class PhaseClock:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.calls = dict.fromkeys(PHASES, 0)
+        self.cpu = dict.fromkeys(PHASES, 0.0)  # the same in CPU time of this process
         self._stack: list[float] = []  # time of nested phases, per open frame
+        self._cpu_stack: list[float] = []
 
     def wrap(self, owner: object, attr: str, phase: str) -> None:
         fn = getattr(owner, attr, None)
@@ -62,16 +64,19 @@ class PhaseClock:
 
         def timed(*args: object, **kwargs: object) -> object:
             self._stack.append(0.0)
-            t0 = time.perf_counter()
+            self._cpu_stack.append(0.0)
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - t0
-                nested = self._stack.pop()
+                spent, used = time.perf_counter() - t0, time.process_time() - c0
+                nested, nested_cpu = self._stack.pop(), self._cpu_stack.pop()
                 self.seconds[phase] += spent - nested
+                self.cpu[phase] += used - nested_cpu
                 self.calls[phase] += 1
                 if self._stack:
                     self._stack[-1] += spent
+                    self._cpu_stack[-1] += used
 
         setattr(owner, attr, timed)
 
@@ -85,6 +90,7 @@ class PhaseClock:
         self.wrap(ntrace, "trace", "trace")
         self.wrap(policy, "search_pipeline", "search")  # kernels before the bounds
         self.wrap(policy, "search_pipeline_bounded", "search")
+        self.wrap(policy, "_search_meshes", "search")  # plan_ngpus='auto': the bounds too
         self.wrap(policy, "_apply", "apply")
         self.wrap(gcheck, "check_plan", "check")
         import nnscaler.codegen.program as cprogram
@@ -228,6 +234,8 @@ def main() -> None:
     print("phases (s): " + ", ".join(f"{k} {v:.2f}" + (f" ({clock.calls[k]} calls)"
                                                        if clock.calls.get(k, 1) > 1 else "")
                                       for k, v in phases.items()))
+    print("phases, CPU time of this process (s): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in clock.cpu.items()))
     target = 15.0 if args.model == "gpt18b" else TARGET_S
     print(f"{args.model} {args.layers} layers{' (recomputed)' if args.recompute else ''}, {params / 1e9:.1f} B parameters (meta), built in "
           f"{built:.1f} s; parallelize(load_module=False) for {args.runtime_ngpus} devices "
@@ -239,6 +247,7 @@ def main() -> None:
                       "plan_ngpus": args.plan_ngpus, "runtime_ngpus": args.runtime_ngpus,
                       "batch": args.batch, "seq": args.seq, "planned": not failed,
                       "parallelize_s": round(seconds, 1), "phases_s": phases,
+                      "phases_cpu_s": {k: round(v, 2) for k, v in clock.cpu.items()},
                       "files": len(files), "bytes": written,
                       "gencode_sha256": digest.hexdigest()[:16]}))
 
