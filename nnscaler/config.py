@@ -37,6 +37,7 @@ from nnscaler.config_reducer import (
     check_reduce_dtype,
     check_zero_stage,
     check_zero_units,
+    zero_stage_choices,
 )
 from nnscaler.errors import CompileConfigError, ComputeConfigError
 from nnscaler.torch_compile import CompileConfig
@@ -300,7 +301,8 @@ class ComputeConfig:
         zero_ngroups: split the replicas into this many ZeRO groups (state replicated
             across groups); must divide the number of scale units; 1 unless ``use_zero``.
         zero_stage: 0 to 3, what is sharded (``docs/zero.md``); None follows ``use_zero``,
-            which (left out) follows it; the two given must agree.
+            which (left out) follows it; the two given must agree. ``'auto'``: ``autodist``
+            chooses it (among `zero_stages`; ``parallelize`` then uses `resolved`).
         zero_units: stage 3's gathering units by module path (``docs/zero.md``).
         reduce_dtype: the dtype ZeRO stages 2 and 3 reduce-scatter gradients in
             (``'float32'`` under bf16 parameters); None: the parameters' dtype.
@@ -339,7 +341,8 @@ class ComputeConfig:
     _: KW_ONLY
     use_zero: bool = field(default=None, metadata=_check(_bool_or_none))  # type: ignore[assignment]
     zero_ngroups: int = field(default=1, metadata=_check(_positive_int))
-    zero_stage: int | None = field(default=None, metadata=_check(check_zero_stage))
+    zero_stage: int | str | None = field(
+        default=None, metadata=_check(lambda n, v: None if v == AUTO else check_zero_stage(n, v)))
     zero_units: Sequence[str] = field(default=(), metadata=_check(check_zero_units))
     reduce_dtype: str | None = field(default=None, metadata=_check(check_reduce_dtype))
     use_end2end: bool = field(default=False, metadata=_check(_bool))
@@ -385,7 +388,7 @@ class ComputeConfig:
                 f"multiple such as {_near_multiples(self.runtime_ngpus, self.plan_ngpus)}"
             )
         object.__setattr__(self, "zero_units", tuple(self.zero_units))
-        stage = self.reducer.zero_stage
+        stage = max(self.zero_stages)  # 'auto' with a reduce_dtype chooses stage 2 or 3
         if self.reduce_dtype is not None and stage < 2:
             raise ComputeConfigError(f"ComputeConfig.reduce_dtype={self.reduce_dtype!r} is the "
                                      f"dtype of ZeRO stage 2 and 3's reduce-scatter, but "
@@ -412,6 +415,13 @@ class ComputeConfig:
     def _settle_zero_stage(self) -> None:
         """Make ``use_zero`` and ``zero_stage`` one answer (see the class docstring)."""
         use, stage = self.use_zero, self.zero_stage
+        if stage == AUTO:  # the policy chooses; use_zero=True keeps stage 0 out of the choice
+            if use is False:
+                raise ComputeConfigError("ComputeConfig: use_zero=False disagrees with "
+                                         "zero_stage='auto' (autodist chooses a stage); leave "
+                                         "use_zero out, True to choose among stages 1 to 3, or "
+                                         "set zero_stage=0")
+            return
         if stage is not None and use is not None and use != (stage >= 1):
             raise ComputeConfigError(f"ComputeConfig: use_zero={use} disagrees with zero_stage="
                                      f"{stage} (use_zero is stage >= 1); give one, or both "
@@ -426,8 +436,20 @@ class ComputeConfig:
         return self._pipeline  # type: ignore[attr-defined, no-any-return]
 
     @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """The ZeRO stages this config allows: its stage, or for ``zero_stage='auto'`` the
+        stages the policy chooses among (`zero_stage_choices`)."""
+        if self.zero_stage == AUTO:
+            return zero_stage_choices(self.use_zero, self.reduce_dtype)
+        return (self.reducer.zero_stage,)
+
+    @property
     def reducer(self) -> ReducerConfig:
         """The gradient reducer's options, with the default bucket size filled in."""
+        if self.zero_stage == AUTO:
+            raise ComputeConfigError("ComputeConfig(zero_stage='auto') has no reducer until "
+                                     "autodist chooses the stage in parallelize; read it from "
+                                     "the parallel module's reducers, or give zero_stage")
         return ReducerConfig(use_zero=self.use_zero, zero_ngroups=self.zero_ngroups,
                              async_op=self.use_async_reducer, bucket_cap_mb=self.bucket_cap_mb,
                              zero_stage=self.zero_stage,  # None: follows use_zero
@@ -447,9 +469,19 @@ class ComputeConfig:
         return CompileConfig.from_value(self.compile)
 
     # -- derived ------------------------------------------------------------------------
-    def resolved(self, plan_ngpus: int) -> ComputeConfig:
-        """This config with ``plan_ngpus`` (the unit size a policy chose for ``'auto'``)."""
-        return dataclasses.replace(self, plan_ngpus=plan_ngpus)
+    def resolved(self, plan_ngpus: int | None = None, *,
+                 zero_stage: int | None = None) -> ComputeConfig:
+        """This config with ``plan_ngpus`` and/or ``zero_stage`` (what a policy chose for
+        ``'auto'``; ``use_zero`` follows the stage); None keeps a field as it is."""
+        changes: dict[str, Any] = {} if plan_ngpus is None else {"plan_ngpus": plan_ngpus}
+        if zero_stage is not None:
+            if zero_stage not in self.zero_stages:
+                raise ComputeConfigError(
+                    f"ComputeConfig: zero_stage={zero_stage!r} is not a stage this config "
+                    f"allows ({list(self.zero_stages)}, from zero_stage={self.zero_stage!r}, "
+                    f"use_zero={self.use_zero!r}, reduce_dtype={self.reduce_dtype!r})")
+            changes.update(zero_stage=zero_stage, use_zero=zero_stage >= 1)
+        return dataclasses.replace(self, **changes)
 
     @property
     def scale_units(self) -> int:

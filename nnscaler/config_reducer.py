@@ -13,7 +13,7 @@ from typing import Any
 from nnscaler.errors import ComputeConfigError
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "REDUCE_DTYPES", "ZERO_STAGES", "ReducerConfig",
-           "check_reduce_dtype", "check_zero_stage", "check_zero_units"]
+           "check_reduce_dtype", "check_zero_stage", "check_zero_units", "zero_stage_choices"]
 
 #: The bucket size the reducer uses when ``reducer_bucket_cap_mb`` is None (MiB).
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -29,6 +29,14 @@ def check_zero_stage(name: str, value: Any) -> None:
         raise ComputeConfigError(f"ComputeConfig.{name} must be one of {list(ZERO_STAGES)} or "
                                  f"None (follow use_zero), got {value!r}: 0 shards nothing, 1 "
                                  f"the optimizer state, 2 the gradients too, 3 the parameters")
+
+
+def zero_stage_choices(use_zero: bool | None, reduce_dtype: str | None) -> tuple[int, ...]:
+    """The stages ``zero_stage='auto'`` may choose among: every stage, those from 1 up when
+    ``use_zero=True`` is given too, those from 2 up with a ``reduce_dtype`` (the dtype of
+    stages 2 and 3's reduce-scatter)."""
+    low = 2 if reduce_dtype is not None else int(bool(use_zero))
+    return tuple(s for s in ZERO_STAGES if s >= low)
 
 
 def check_zero_units(name: str, value: Any) -> None:

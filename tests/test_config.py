@@ -137,6 +137,33 @@ def test_zero_stage_disagreeing_with_use_zero_is_refused():
         ReducerConfig(use_zero=False, zero_stage=2)
 
 
+def test_zero_stage_auto_is_chosen_then_resolved():
+    """``zero_stage='auto'``: a policy (autodist) chooses among `zero_stages`; until
+    then the config has no reducer; `resolved` makes it concrete, use_zero following."""
+    cfg = ComputeConfig(1, 4, zero_stage="auto")
+    assert (cfg.zero_stage, cfg.use_zero, cfg.zero_stages) == ("auto", None, (0, 1, 2, 3))
+    with pytest.raises(ComputeConfigError, match="has no reducer until autodist chooses"):
+        cfg.reducer  # noqa: B018
+    assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
+    for stage in range(4):
+        done = cfg.resolved(zero_stage=stage)
+        assert (done.zero_stage, done.use_zero, done.reducer.zero_stage) == (
+            stage, stage >= 1, stage)
+    assert ComputeConfig(1, 4, zero_stage="auto", use_zero=True).zero_stages == (1, 2, 3)
+    dtype = ComputeConfig(1, 4, zero_stage="auto", reduce_dtype="float32")
+    assert dtype.zero_stages == (2, 3)
+    with pytest.raises(ComputeConfigError, match=r"zero_stage=1 is not a stage .*\[2, 3\]"):
+        dtype.resolved(zero_stage=1)
+    both = ComputeConfig("auto", 4, zero_stage="auto", use_zero=True, zero_ngroups=2)
+    assert both.resolved(2, zero_stage=3).reducer.zero_ngroups == 2
+    with pytest.raises(ComputeConfigError, match="use_zero=False disagrees with zero_stage='auto'"):
+        ComputeConfig(1, 4, zero_stage="auto", use_zero=False)
+    with pytest.raises(ComputeConfigError, match="zero_units names ZeRO stage 3"):
+        ComputeConfig(1, 4, zero_stage="auto", zero_units=["a"])
+    with pytest.raises(ComputeConfigError, match="zero_stage must be one of"):
+        ComputeConfig(1, 4, zero_stage="AUTO")
+
+
 @pytest.mark.parametrize(("pas", "message"), [
     ({"pipeline_nmicros": 0}, r"pas_config\['pipeline_nmicros'\] is the number of micro"),
     ({"pipeline_nmicros": "4"}, "a positive int; got '4'"),

@@ -64,6 +64,8 @@ class IRGraph(Graph):
         self._split: dict[Op, tuple[Transform, int]] = {}  # part -> (its transform, part)
         self._recompute_groups = 0
         self.num_stages = 0
+        #: the ZeRO stage the policy chose (`choose_zero_stage`); None: it chose none
+        self.zero_stage: int | None = None
         self._ops: OpRegistry | None = None  # None: the process-wide op registry
         self._hint = 0  # where the last replacement ended in ops (see _position)
 
@@ -431,6 +433,15 @@ class IRGraph(Graph):
             kwargs=pytree.tree_map(swap, dict(op.kwargs)),
             plan=op.plan,  # the same instance, moved: its plan moves with it
         )
+
+    def choose_zero_stage(self, stage: int) -> None:
+        """Record the ZeRO stage (0 to 3, ``docs/zero.md``) this plan is made for: with
+        ``ComputeConfig(zero_stage='auto')``, ``parallelize`` generates the code, the
+        reducers and the checkpoints for it."""
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise PlanError(f"choose_zero_stage takes a ZeRO stage, 0, 1, 2 or 3, got "
+                            f"{stage!r}")
+        self.zero_stage = stage
 
     # -- pipeline stages and recomputation ----------------------------------------------
     def staging(self, ops: Sequence[Op]) -> list[list[Op]]:

@@ -297,6 +297,8 @@ class _Generator:
             )
         if self.config.plan_ngpus == AUTO:
             self.config = self.config.resolved(_unit_size(result, name, self.config))
+        if self.config.zero_stage == AUTO:
+            self.config = self.config.resolved(zero_stage=_zero_stage(result, name, self.config))
         try:
             result.check(self.config.plan_ngpus)
         except Exception as e:
@@ -335,6 +337,19 @@ def _unit_size(graph: Any, policy: str, config: ComputeConfig) -> int:
             f"not a unit size dividing runtime_ngpus={config.runtime_ngpus}; only a policy "
             f"that chooses the unit (autodist) can take plan_ngpus='auto'")
     return n
+
+
+def _zero_stage(graph: Any, policy: str, config: ComputeConfig) -> int:
+    """The ZeRO stage a policy chose for ``zero_stage='auto'`` (`IRGraph.choose_zero_stage`)."""
+    stage = getattr(graph, "zero_stage", None)
+    if stage not in config.zero_stages:
+        raise ParallelizeError(
+            f"zero_stage='auto': the policy {policy!r} chose "
+            f"{'no ZeRO stage' if stage is None else f'ZeRO stage {stage}'}, where one of "
+            f"{list(config.zero_stages)} is needed (IRGraph.choose_zero_stage); only a policy "
+            f"that chooses the stage (autodist) can take zero_stage='auto', else give "
+            f"zero_stage")
+    return stage
 
 
 # -- rank 0 -> everyone -----------------------------------------------------------------

@@ -257,6 +257,7 @@ def _config_for(pms: Sequence[ParallelModule], compute_config: ComputeConfig | N
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig or None, got "
                         f"{type(compute_config).__name__}")
+    compute_config = _as_chosen(compute_config, pms, plan_ngpus)
     if (compute_config.plan_ngpus, compute_config.runtime_ngpus) != (plan_ngpus, runtime_ngpus):
         raise OptimizerError(
             f"compute_config has plan_ngpus={compute_config.plan_ngpus}, runtime_ngpus="
@@ -265,6 +266,21 @@ def _config_for(pms: Sequence[ParallelModule], compute_config: ComputeConfig | N
             f"config they were parallelized with, or None"
         )
     return compute_config
+
+
+def _as_chosen(config: ComputeConfig, pms: Sequence[ParallelModule], plan_ngpus: int
+               ) -> ComputeConfig:
+    """``config`` with what ``parallelize`` chose for its ``'auto'`` fields: the unit
+    size and the ZeRO stage the parallel modules were generated with."""
+    from nnscaler.config import AUTO, ReducerConfig
+
+    auto_unit = config.plan_ngpus == AUTO
+    stage = None
+    if config.zero_stage == AUTO:
+        stage = ReducerConfig.from_options(pms[0].reducer_config).zero_stage
+    if not auto_unit and stage is None:
+        return config
+    return config.resolved(plan_ngpus if auto_unit else None, zero_stage=stage)
 
 
 def _reducers(module: torch.nn.Module, pms: Sequence[ParallelModule], np_cfg: ComputeConfig

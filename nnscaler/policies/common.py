@@ -30,6 +30,10 @@ def policy_config(compute_config: Any, policy: str) -> ComputeConfig:
         raise PolicyError(f"policy {policy!r} needs the unit size: plan_ngpus='auto' is "
                           f"chosen by the autodist policy only; give plan_ngpus (a divisor of "
                           f"runtime_ngpus={config.runtime_ngpus}) or use 'autodist'")
+    if config.zero_stage == AUTO and policy != "autodist":
+        raise PolicyError(f"policy {policy!r} needs the ZeRO stage: zero_stage='auto' is "
+                          f"chosen by the autodist policy only; give zero_stage (one of "
+                          f"{list(config.zero_stages)}) or use 'autodist'")
     return config
 
 

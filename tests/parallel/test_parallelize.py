@@ -369,3 +369,30 @@ def test_meta_trace_strategy(tmp_path, batch):
         warnings.simplefilter("ignore")
         pm = parallelize(model, {"batch": gbatch}, "dp", cfg, gen_savedir=tmp_path)
     torch.testing.assert_close(pm(gbatch), model(gbatch))
+
+
+def test_zero_stage_auto_takes_the_stage_the_policy_chose(tmp_path, batch):
+    """``zero_stage='auto'``: the policy records a stage on the graph
+    (``IRGraph.choose_zero_stage``) and the files are generated for it; a policy that
+    chooses none is refused, leaving no files."""
+    from nnscaler.policies import dp
+
+    def choosing(graph, cfg):
+        graph = dp(graph, cfg.resolved(zero_stage=2))
+        graph.choose_zero_stage(2)
+        return graph
+
+    cfg = ComputeConfig(1, 2, zero_stage="auto")
+    parallelize(make_model("mlp"), {"batch": batch}, choosing, cfg, gen_savedir=tmp_path,
+                load_module=False)
+    code = (outdir(tmp_path) / "gencode0.py").read_text()
+    assert "'zero_stage': 2" in code and "'use_zero': True" in code
+
+    def silent(graph, cfg):
+        return dp(graph, cfg.resolved(zero_stage=0))
+
+    with pytest.raises(ParallelizeError, match=r"zero_stage='auto': the policy 'test_zero_stage"
+                                               r".*silent' chose no ZeRO stage"):
+        parallelize(make_model("mlp"), {"batch": batch}, silent, cfg, gen_savedir=tmp_path,
+                    instance_name="silent", load_module=False)
+    assert_clean(tmp_path, instance="silent")

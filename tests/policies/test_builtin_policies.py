@@ -88,6 +88,15 @@ def test_plan_ngpus_must_be_a_positive_int(policy, bad):
         POLICIES[policy](fresh("mlp"), config(bad))
 
 
+@pytest.mark.parametrize("policy", ["dp", "data", "tp"])
+def test_zero_stage_auto_is_refused_by_policies_that_do_not_choose_it(policy):
+    from nnscaler import ComputeConfig
+
+    with pytest.raises(PolicyError, match=rf"policy '{policy}' needs the ZeRO stage: "
+                                          rf"zero_stage='auto' is chosen by the autodist"):
+        POLICIES[policy](fresh("mlp"), ComputeConfig(1, 2, zero_stage="auto"))
+
+
 def test_a_compute_config_without_plan_ngpus_is_named():
     with pytest.raises(PolicyError, match=r"policy 'tp': a compute config must be an "
                                           r"nnscaler.ComputeConfig \(or an object with its "

@@ -4,7 +4,9 @@
 pipeline stage and choice (``"replicate"`` or ``{"idx": i, "dim": d}``: split input ``i``
 along dim ``d`` over the stage's devices), with the pipeline and the estimates; with
 ``plan_ngpus='auto'`` also the chosen ``mesh`` (replicas x unit) and the alternatives
-searched, so that ``load_plan_path`` under ``'auto'`` replays the same unit size.
+searched, so that ``load_plan_path`` under ``'auto'`` replays the same unit size; and
+the ZeRO stage (``zero_stage``, with every stage searched under ``zero_stage='auto'``,
+which replays the file's stage).
 ``load_plan_path`` replays the choices on the graph being compiled: the ops must be the
 same (name and module, in order; shapes may differ), every split must be legal for the
 shapes now, and the costs are derived anew for them (the estimates in the file are not
@@ -28,7 +30,8 @@ from nnscaler_policy_autodist.spmd import Solution
 if TYPE_CHECKING:
     from nnscaler_policy_autodist.policy import AutoDistResult
 
-__all__ = ["FORMAT", "PlanFileError", "replay", "save", "saved_unit", "to_json"]
+__all__ = ["FORMAT", "PlanFileError", "replay", "save", "saved_unit", "saved_zero_stage",
+           "to_json"]
 
 FORMAT = "nnscaler-autodist-plan/1"
 
@@ -54,7 +57,7 @@ def to_json(result: AutoDistResult) -> dict[str, Any]:
                         "stage": s, "split": _choice(problem.options[i][sol.choice[i]].transform)})
     for i, entry in enumerate(ops):
         entry["index"] = i
-    out = {"format": FORMAT, "plan_ngpus": result.plan_ngpus,
+    out = {"format": FORMAT, "plan_ngpus": result.plan_ngpus, "zero_stage": result.zero_stage,
            "pipeline": {"nstages": pipe.nstages, "devices_per_stage": pipe.k,
                         "nmicros": pipe.nmicros, "scheduler": pipe.scheduler},
            "estimate": {"step_time_ms": pipe.step_time * 1e3, "stages": stages},
@@ -63,6 +66,11 @@ def to_json(result: AutoDistResult) -> dict[str, Any]:
         out["mesh"] = {"replicas": result.meshes[0].replicas, "unit": result.meshes[0].unit,
                        "runtime_ngpus": result.meshes[0].replicas * result.meshes[0].unit,
                        "searched": [_mesh(m) for m in result.meshes]}
+    if result.zero_stages:
+        out["zero_stages_searched"] = [
+            {"stage": e.stage, "fits": e.fits, "unit": e.unit,
+             "step_time_ms": None if e.step_time is None else e.step_time * 1e3,
+             "memory_gb": e.memory / 1024**3} for e in result.zero_stages]
     return out
 
 
@@ -86,6 +94,24 @@ def saved_unit(path: Path, runtime_ngpus: int) -> int:
             f"policy 'autodist': the plan {str(path)!r} was made for plan_ngpus={n!r}, which "
             f"does not divide runtime_ngpus={runtime_ngpus}; replan without load_plan_path")
     return n
+
+
+def saved_zero_stage(path: Path, allowed: tuple[int, ...]) -> int:
+    """The ZeRO stage a saved plan was made for (``zero_stage='auto'`` replays it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        stage = data.get("zero_stage", "missing")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PlanFileError(f"policy 'autodist': cannot read the plan {str(path)!r}: "
+                            f"{e}") from None
+    if isinstance(stage, bool) or stage not in allowed:
+        what = ("records no ZeRO stage (written before plans recorded one)"
+                if stage == "missing" else f"was made for zero_stage={stage!r}")
+        raise PlanFileError(
+            f"policy 'autodist': the plan {str(path)!r} {what}, and zero_stage='auto' "
+            f"replays the file's stage, one of {list(allowed)} here; give zero_stage, or "
+            f"replan without load_plan_path")
+    return stage
 
 
 def save(path: Path, result: AutoDistResult) -> None:

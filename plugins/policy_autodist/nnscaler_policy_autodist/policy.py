@@ -61,6 +61,7 @@ from nnscaler_policy_autodist.pipeline import (
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution
+from nnscaler_policy_autodist.zero import StageEstimate, choose_stage
 
 __all__ = ["AutoDistResult", "autodist", "plan_graph"]
 
@@ -84,6 +85,8 @@ class AutoDistResult:
     #: the ZeRO stage the estimate counts (`ComputeConfig.reducer`), over ``replicas``
     zero_stage: int = 0
     replicas: int = 1
+    #: ``zero_stage='auto'``: every stage searched, best (the chosen one) first
+    zero_stages: tuple[StageEstimate, ...] = ()
 
 
 def _recompute_paths(graph: IRGraph, names: tuple[str, ...]) -> list[str]:
@@ -299,12 +302,46 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
     return ranked[0].unit, found[ranked[0].unit], ranked
 
 
-def _reduces_in_backward(config: ComputeConfig) -> bool:
+def _reduces_in_backward(config: ComputeConfig, stage: int) -> bool:
     """Whether the runtime's reducer sums gradients from backward's hooks, bucket by
     bucket while backward goes on (``use_async_reducer``, or ZeRO stage 2 and up; as
     the runtime decides from `ComputeConfig.reducer`), rather than after backward."""
-    reducer = config.reducer
-    return reducer.async_op or (reducer.zero_stage or 0) >= 2
+    return config.use_async_reducer or stage >= 2
+
+
+def _zero_stages(config: ComputeConfig, cfg: AutoDistConfig) -> tuple[int, ...]:
+    """The ZeRO stages to search: the config's; for ``zero_stage='auto'`` the saved
+    plan's (``load_plan_path``) or every stage it allows (`zero`)."""
+    from nnscaler_policy_autodist import planfile
+
+    if config.zero_stage == AUTO and cfg.load_plan_path is not None:
+        return (planfile.saved_zero_stage(cfg.load_plan_path, config.zero_stages),)
+    return config.zero_stages
+
+
+def _search(g: IRGraph, models: dict[int, CostModel], config: ComputeConfig,
+            cfg: AutoDistConfig, limit: float | None) -> tuple:
+    """The plan under ``models`` (one per unit size, at one ZeRO stage): replayed from
+    ``load_plan_path``, the best mesh for ``plan_ngpus='auto'``, or the given unit's;
+    ``(unit, pipeline, problems, solutions, meshes)``."""
+    from nnscaler_policy_autodist import planfile
+
+    ops, outputs, nmicros = g.nodes(), g.output_tensors(), cfg.pipeline_nmicros or 1
+    meshes: tuple[Mesh, ...] = ()
+    n = next(iter(models))
+    if cfg.load_plan_path is not None:
+        pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, models[n],
+                                                    nmicros)
+    elif config.plan_ngpus == AUTO:
+        n, (pipe, problems, solutions), meshes = _search_meshes(
+            ops, models, cfg, limit, nmicros, outputs, config.runtime_ngpus)
+    else:
+        bounds = _Bounds(ops, cfg, nmicros)
+        found = search_pipeline_bounded(ops, n, models[n], cfg, limit, nmicros, outputs,
+                                        bound=lambda s: bounds.step(models[n], n, s))
+        assert found is not None  # no cap: a stage count is always searched
+        pipe, problems, solutions = found
+    return n, pipe, problems, solutions, meshes
 
 
 def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
@@ -313,7 +350,7 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
 
     t0 = time.perf_counter()
     config = policy_config(compute_config, "autodist")
-    runtime, zero = config.runtime_ngpus, config.use_zero
+    runtime = config.runtime_ngpus
     cfg = parse_config(config.pas_config, config.pipeline)
     sizes = _unit_sizes(config, cfg)
     g = as_policy_graph(graph)
@@ -332,14 +369,16 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
     allowed = load_constraints(cfg.partition_constraints_path, g)
     nmicros = cfg.pipeline_nmicros or 1
-    models = {n: CostModel(profiler=profiler, comm=CommModel(spec), units=runtime // n,
-                           zero=zero, zero_stage=config.reducer.zero_stage,
-                           recompute=recompute, allowed=allowed,
-                           max_degree=cfg.max_partition_degree,
-                           micro_batches=nmicros * cfg.update_freq,
-                           share=core_share() if here else 1.0,
-                           overlap_grads=_reduces_in_backward(config), unit=n)
-              for n in sizes}
+    zero_stages = _zero_stages(config, cfg)
+    by_stage = {z: {n: CostModel(profiler=profiler, comm=CommModel(spec), units=runtime // n,
+                                 zero=z >= 1, zero_stage=z,
+                                 recompute=recompute, allowed=allowed,
+                                 max_degree=cfg.max_partition_degree,
+                                 micro_batches=nmicros * cfg.update_freq,
+                                 share=core_share() if here else 1.0,
+                                 overlap_grads=_reduces_in_backward(config, z), unit=n)
+                    for n in sizes} for z in zero_stages}
+    models = by_stage[zero_stages[0]]  # the options, what is profiled, are the same
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
         profiler.prefetch([(op, t, n // s) for n, model in models.items()
@@ -347,32 +386,26 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
                            for op in ops for t in model.transforms(op, n // s)])
     if here:  # the ops' times as they take in a whole step of this model
         profiler.calibrate(ops, g.output_tensors())
-    meshes: tuple[Mesh, ...] = ()
-    if cfg.load_plan_path is not None:
-        n = sizes[0]
-        pipe, problems, solutions = planfile.replay(cfg.load_plan_path, g, ops, n, models[n],
-                                                    nmicros)
-    elif config.plan_ngpus == AUTO:
-        n, (pipe, problems, solutions), meshes = _search_meshes(
-            ops, models, cfg, limit, nmicros, g.output_tensors(), runtime)
+    def search(stage: int) -> tuple:
+        return _search(g, by_stage[stage], config, cfg, limit)
+
+    stage_estimates: tuple[StageEstimate, ...] = ()
+    if len(zero_stages) > 1:  # zero_stage='auto': every stage it allows (`zero`)
+        zero_stage, found, stage_estimates = choose_stage(zero_stages, search, runtime, limit)
     else:
-        n = sizes[0]
-        bounds = _Bounds(ops, cfg, nmicros)
-        found = search_pipeline_bounded(ops, n, models[n], cfg, limit, nmicros,
-                                        g.output_tensors(),
-                                        bound=lambda s: bounds.step(models[n], n, s))
-        assert found is not None  # no cap: a stage count is always searched
-        pipe, problems, solutions = found
+        zero_stage, found = zero_stages[0], search(zero_stages[0])
+    n, pipe, problems, solutions, meshes = found
     profiler.save()
     _apply(g, pipe, problems, solutions)
     for path in rec_paths:
         g.recompute(path)
     g.check(n)
+    g.choose_zero_stage(zero_stage)
     result = AutoDistResult(config=cfg, plan_ngpus=n, pipeline=pipe, problems=tuple(problems),
                             solutions=tuple(solutions), limit=limit,
                             search_seconds=time.perf_counter() - t0, profiled=profiler.profiled,
-                            meshes=meshes, zero_stage=config.reducer.zero_stage or 0,
-                            replicas=runtime // n)
+                            meshes=meshes, zero_stage=zero_stage,
+                            replicas=runtime // n, zero_stages=stage_estimates)
     if cfg.task_name is not None:
         logger.info("autodist plan of task %r:", cfg.task_name)
     logger.info("%s", report.text(result))

@@ -30,12 +30,14 @@ def text(result: AutoDistResult, top: int = TOP) -> str:
         f"{result.search_seconds:.2f} s ({result.profiled} op parts profiled, the rest "
         f"cached or estimated)",
         f"  data parallel over {result.replicas} scale unit(s), ZeRO stage "
-        f"{result.zero_stage} (counted in the memory and the step time)",
+        f"{result.zero_stage} (counted in the memory and the step time"
+        + (", chosen by zero_stage='auto')" if result.zero_stages else ")"),
         f"  estimated step time {_ms(pipe.step_time)}"
         + (f" ({pipe.scheduler}: sum of stages + (micro-batches - 1) x slowest)"
            if pipe.nstages > 1 else ""),
     ]
     lines += _meshes(result, top)
+    lines += [f"    ZeRO {e.describe(result.limit)}" for e in result.zero_stages]
     limit = "none" if result.limit is None else f"{result.limit / GB:.3f} GB"
     for s, (problem, sol) in enumerate(zip(result.problems, result.solutions)):
         devices = f"{s * pipe.k}..{(s + 1) * pipe.k - 1}" if pipe.k > 1 else f"{s * pipe.k}"
