@@ -10,7 +10,11 @@ MLP of wide linears, a 2-layer GPT with a large vocabulary; small batches) is pl
 - ``none``: ``plan_ngpus=world``, no limit (autodist's fastest plan);
 - ``excl-dp``: ``plan_ngpus=world`` with ``mem_constraint`` at ``--excl`` (default 0.8) of
   the ``dp`` estimate: pure data parallelism does not fit;
-- ``tight``: the same at ``--tight`` (default 0.6) of it.
+- ``tight``: the same at ``--tight`` (default 0.6) of it;
+- ``zero-auto``: ``plan_ngpus=1`` with ``zero_stage='auto'`` and a limit halfway between
+  autodist's estimate at stage 2 and the smaller of stages 0 and 1 (stage 1 cannot meet
+  it): autodist chooses the stage;
+- ``zero-auto3``: the same, halfway between stage 3's estimate and stage 2's.
 
 Each plan trains ``--steps`` steps of Adam (``build_optimizer``, ``train_step`` then
 ``optimizer.step()``) and every step's peak is measured with
@@ -29,6 +33,7 @@ depend on load: the bytes a plan allocates are the same every run.
 Usage::
 
     python bench/autodist/bench_memory.py [--world 2] [--models mlp gpt] [--steps 3]
+        [--plans dp zero-auto ...]
 """
 
 from __future__ import annotations
@@ -54,12 +59,19 @@ GB = 1024**3
 
 @attrs.frozen
 class Plan:
-    """One compile: its name, ``plan_ngpus``, limit in bytes (None: none), ZeRO."""
+    """One compile: its name, ``plan_ngpus``, limit in bytes (None: none), ZeRO (``zero``:
+    stage 1; ``zero_stage``, when given, a stage or ``'auto'``)."""
 
     name: str
     plan_ngpus: int
     limit: float | None = None
     zero: bool = False
+    zero_stage: int | str | None = None
+
+    def config_fields(self) -> dict[str, Any]:
+        if self.zero_stage is None:
+            return {"use_zero": self.zero}
+        return {"zero_stage": self.zero_stage}
 
 
 MODELS = {
@@ -68,7 +80,13 @@ MODELS = {
                                            "n_layers": 4}),
     "gpt": ("GPT 2 layers, d_model 256, vocab 4096, seq 32 (tied embedding)",
             {"vocab_size": 4096, "n_layer": 2, "n_head": 4, "d_model": 256, "seq_len": 32}),
+    # 13 MiB of parameters in pieces of at most 1 MiB: the ZeRO stages' memory differs most
+    "gpt4": ("GPT 4 layers, d_model 256, vocab 1024, seq 32 (tied embedding)",
+             {"vocab_size": 1024, "n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 32}),
 }
+
+
+PLANS = ("dp", "dp-zero", "none", "excl-dp", "tight", "zero-auto", "zero-auto3")
 
 
 def make_model(kind: str) -> torch.nn.Module:
@@ -78,7 +96,7 @@ def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mlp":
         return MLP(MLPConfig(**MODELS[kind][1]))
-    return GPTWithLoss(GPTConfig(**MODELS[kind][1]))
+    return GPTWithLoss(GPTConfig(**MODELS[kind][1]))  # gpt, gpt4
 
 
 def make_batch(kind: str, n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -113,7 +131,7 @@ def run_plan(rank: int, world: int, kind: str, plan: Plan, batch_size: int, step
     batches = [make_batch(kind, batch_size // units, seed=100 * s + rank // plan.plan_ngpus)
                for s in range(steps)]
     cfg = ComputeConfig(plan_ngpus=plan.plan_ngpus, runtime_ngpus=world, use_end2end=True,
-                        use_zero=plan.zero, pas_config=pas)
+                        pas_config=pas, **plan.config_fields())
     pm = parallelize(make_model(kind), {"batch": batches[0]}, policy, cfg, gen_savedir=gen,
                      instance_name=f"{kind}_{plan.name.replace('-', '_')}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
@@ -135,6 +153,7 @@ def run_plan(rank: int, world: int, kind: str, plan: Plan, batch_size: int, step
         chosen = [p.options[i][c] for p, sol in zip(r.problems, r.solutions)
                   for i, c in enumerate(sol.choice)]
         info["split"] = f"{sum(o.transform is not None for o in chosen)}/{len(chosen)}"
+        info["zero_stage"] = r.zero_stage
     return info
 
 
@@ -170,9 +189,23 @@ def estimate(kind: str, world: int, plan: Plan, batch_size: int, profile_dir: st
     if plan.limit is not None:
         pas["mem_constraint"] = plan.limit / GB
     cfg = SimpleNamespace(plan_ngpus=plan.plan_ngpus, runtime_ngpus=world, use_end2end=True,
-                          use_zero=plan.zero, pas_config=pas)
+                          pas_config=pas, **plan.config_fields())
     _, result = plan_graph(IRGraph.from_graph(traced), cfg)
     return result.solutions[0].mem
+
+
+def _plans(kind: str, dp_mem: float, args: argparse.Namespace) -> list[Plan]:
+    """The plans of ``--plans``; the zero-auto limits from autodist's estimate of pure data
+    parallelism at each ZeRO stage."""
+    plans = [Plan("dp", 1), Plan("dp-zero", 1, zero=True), Plan("none", args.world),
+             Plan("excl-dp", args.world, args.excl * dp_mem),
+             Plan("tight", args.world, args.tight * dp_mem)]
+    if {"zero-auto", "zero-auto3"} & set(args.plans):
+        est = [estimate(kind, args.world, Plan(f"s{z}", 1, zero_stage=z), args.batch,
+                        args.profile_dir) for z in range(4)]
+        plans += [Plan("zero-auto", 1, (est[2] + min(est[0], est[1])) / 2, zero_stage="auto"),
+                  Plan("zero-auto3", 1, (est[3] + est[2]) / 2, zero_stage="auto")]
+    return [p for p in plans if p.name in args.plans]
 
 
 def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -181,9 +214,7 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     pbytes = sum(p.numel() * p.element_size() for p in make_model(kind).parameters())
     dp_mem = estimate(kind, args.world, Plan("dp", 1), args.batch, args.profile_dir)
     plans = []
-    for plan in [Plan("dp", 1), Plan("dp-zero", 1, zero=True), Plan("none", args.world),
-                 Plan("excl-dp", args.world, args.excl * dp_mem),
-                 Plan("tight", args.world, args.tight * dp_mem)]:
+    for plan in _plans(kind, dp_mem, args):
         try:
             estimate(kind, args.world, plan, args.batch, args.profile_dir)
             plans.append(plan)
@@ -198,7 +229,8 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
           f"pure data parallelism {dp_mem / MiB:.2f} MiB per rank (parameters x 4 = "
           f"{4 * pbytes / MiB:.2f} MiB)")
     print(f"{'plan':8} {'limit MiB':>10} {'estimate':>9} {'rank':>4} {'params':>7} "
-          f"{'resident':>9} {'peak':>7} {'peak/est':>8} {'peak/limit':>10} {'ops split':>9}")
+          f"{'resident':>9} {'peak':>7} {'peak/est':>8} {'peak/limit':>10} {'ops split':>9} "
+          f"{'ZeRO':>4}")
     rows = []
     for plan in plans:
         est = results[0][plan.name]["estimate"][0]
@@ -218,13 +250,14 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                    "peak_over_estimate": round(peak / est, 3),
                    "peak_over_limit": None if lim is None else round(peak / lim, 3),
                    "unaccounted": max(abs(p["end"] - p["after"]) for p in r["peaks"]),
-                   "ops_split": results[0][plan.name]["split"]}
+                   "ops_split": results[0][plan.name]["split"],
+                   "zero_stage": results[0][plan.name]["zero_stage"]}
             rows.append(row)
             print(f"{plan.name:8} {'-' if lim is None else f'{lim / MiB:.2f}':>10} "
                   f"{est / MiB:9.2f} {rank:4} {r['param_bytes'] / MiB:7.2f} "
                   f"{resident / MiB:9.2f} {peak / MiB:7.2f} {peak / est:8.3f} "
                   f"{'-' if lim is None else f'{peak / lim:.3f}':>10} "
-                  f"{results[0][plan.name]['split']:>9}"
+                  f"{results[0][plan.name]['split']:>9} {row['zero_stage']:>4}"
                   + (f"  (true peak >= {low / MiB:.2f}: a free out of the profiler's "
                      f"sight)" if low < peak - 64 * 1024 else ""))
     return rows
@@ -233,9 +266,10 @@ def bench_model(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=list(MODELS))
     ap.add_argument("--batch", type=int, default=8, help="global batch per step")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
     ap.add_argument("--excl", type=float, default=0.8,
                     help="the limit excluding dp, as a fraction of dp's estimate")
     ap.add_argument("--tight", type=float, default=0.6,

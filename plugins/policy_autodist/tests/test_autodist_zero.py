@@ -9,6 +9,7 @@ trains as one process does and its measured peak stays under the limit.
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from types import SimpleNamespace
@@ -26,8 +27,9 @@ from nnscaler.testing import run_distributed
 
 MiB = 2**20
 GB = 1024**3
-#: weights (1.6 M parameters, 6.3 MiB) and Adam's state dominate: activations are small
-GPT = dict(vocab_size=8192, n_layer=2, n_head=4, d_model=96, seq_len=8)
+#: weights (0.85 M parameters, 3.3 MiB, in pieces of at most 256 KiB) and Adam's state
+#: dominate: activations are small
+GPT = dict(vocab_size=512, n_layer=4, n_head=4, d_model=128, seq_len=8)
 BATCH = 2
 ADAM = {"lr": 1e-3, "eps": 1e-4}  # eps: see tests/parity_utils.py
 
@@ -62,6 +64,7 @@ def _plan(profile_dir: str, zero_stage: Any, plan_ngpus: Any = 1, runtime: int =
     return plan_graph(IRGraph.from_graph(traced), cfg)
 
 
+@functools.lru_cache
 def _estimates(profile_dir: str) -> dict[int, float]:
     """autodist's memory estimate per device of pure data parallelism at each stage."""
     return {z: _plan(profile_dir, z)[1].solutions[0].mem for z in range(4)}
@@ -77,19 +80,24 @@ def test_rank_stages_by_time_then_memory_then_stage():
     assert rank_stages([a, e, d])[0] == e
 
 
-def test_auto_searches_every_stage_and_keeps_the_best(profile_dir):
-    graph, result = _plan(profile_dir, "auto")
+def test_auto_searches_every_stage_at_every_unit_size_and_keeps_the_best(profile_dir):
+    """With ``plan_ngpus='auto'`` too: every unit size at every stage; the best stage's
+    best mesh is the plan. (Costed for an H100, not profiled; no op split, which keeps
+    the 8 searches fast: what is checked is how the two choices combine.)"""
+    graph, result = _plan(profile_dir, "auto", plan_ngpus="auto", device_type="H100",
+                          max_partition_degree=1)
     assert sorted(e.stage for e in result.zero_stages) == [0, 1, 2, 3]
     assert result.zero_stages[0].stage == result.zero_stage == graph.zero_stage
     assert result.zero_stages == tuple(rank_stages(result.zero_stages))
-    fits = {e.stage: e for e in result.zero_stages}
-    assert all(e.fits for e in fits.values())
-    assert fits[3].memory < fits[2].memory < min(fits[0].memory, fits[1].memory)
+    best = result.zero_stages[0]
+    assert best.unit == result.plan_ngpus and best.step_time == result.pipeline.step_time
+    assert sorted(m.unit for m in result.meshes) == [1, 2]
+    assert all(e.fits for e in result.zero_stages)
 
 
 def test_a_limit_stage_1_cannot_meet_chooses_a_sharded_stage(profile_dir, tmp_path):
     est = _estimates(profile_dir)
-    assert est[3] < est[2] < min(est[0], est[1])
+    assert est[3] < est[2] < min(est[0], est[1])  # docs/zero.md's table, and transients
     limit = (est[2] + min(est[0], est[1])) / 2
     plan_file = tmp_path / "plan.json"
     graph, result = _plan(profile_dir, "auto", mem_constraint=limit / GB,
@@ -115,14 +123,6 @@ def test_replaying_a_file_without_a_stage_under_auto_is_refused(profile_dir, tmp
     plan_file.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match="records no ZeRO stage"):
         _plan(profile_dir, "auto", load_plan_path=str(plan_file))
-
-
-def test_auto_stage_with_auto_mesh(profile_dir):
-    """Every unit size at every stage; the stage's best mesh is reported."""
-    _, result = _plan(profile_dir, "auto", plan_ngpus="auto")
-    best = result.zero_stages[0]
-    assert (best.stage, best.unit) == (result.zero_stage, result.plan_ngpus)
-    assert sorted(m.unit for m in result.meshes) == [1, 2]
 
 
 # -- on 2 processes ---------------------------------------------------------------------
@@ -188,8 +188,11 @@ def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str,
 
 
 def test_limit_stage_1_cannot_meet_trains_exactly_under_it_2_procs(profile_dir, tmp_path):
+    """Halfway between the estimates of stages 3 and 2 (bench/README.md: on a larger GPT,
+    stage 1's measured peak is over such a limit too)."""
     est = _estimates(profile_dir)
-    limit = (est[2] + min(est[0], est[1])) / 2
+    limit = (est[3] + est[2]) / 2
+    assert min(est[0], est[1], est[2]) > limit
     results = run_distributed(_train, 2, limit / GB, profile_dir, str(tmp_path / "gen"))
     chosen = results[0]["chosen"]
     assert chosen in (2, 3) and all(r["stage"] == chosen for r in results)
