@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from nnscaler.config import ComputeConfig
+from nnscaler.config import AUTO, ComputeConfig
 
 _log = logging.getLogger("nnscaler.cli.trainer")
 
@@ -25,13 +25,15 @@ def default_policy(compute_config: ComputeConfig, registered: Any = None) -> str
 
     ``autodist`` when it is registered (``registered``: the policy names, default the
     plugin manager's). Without it (``pip install nnscaler`` alone), a plan of one device
-    (``plan_ngpus == 1``) with no ``pas_config`` leaves autodist a single choice, every op
+    (``plan_ngpus == 1``) with no ``pas_config`` and a given ZeRO stage (not ``'auto'``)
+    leaves autodist a single choice, every op
     whole on the unit's one device with the units running data parallel, which is what
     the built-in `ONE_DEVICE_POLICY` (``'dp'``) plans: the Trainer runs that, and
     says so. Any other config keeps ``autodist``, whose lookup then names the package to
     install.
     """
-    if compute_config.plan_ngpus != 1 or compute_config.pas_config:
+    if compute_config.plan_ngpus != 1 or compute_config.pas_config \
+            or compute_config.zero_stage == AUTO:
         return DEFAULT_POLICY
     if registered is None:
         from nnscaler.plugins import get_plugin_manager

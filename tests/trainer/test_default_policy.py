@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
     (ComputeConfig(1, 2, use_end2end=True), {"dp", "autodist"}, "autodist"),
     (ComputeConfig(2, 2, use_end2end=True), {"dp"}, "autodist"),  # a choice to make
     (ComputeConfig(1, 1, pas_config={"mem_constraint": 4}), {"dp"}, "autodist"),
+    (ComputeConfig(1, 2, zero_stage="auto"), {"dp"}, "autodist"),  # the stage to choose
 ])
 def test_default_policy(config, registered, chosen):
     assert DEFAULT_POLICY == "autodist" and ONE_DEVICE_POLICY == "dp"
