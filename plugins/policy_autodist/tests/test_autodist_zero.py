@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from nnscaler_policy_autodist import plan_graph
+from nnscaler_policy_autodist import plan_graph, report
 from nnscaler_policy_autodist.memory import measure_peak
 from nnscaler_policy_autodist.planfile import PlanFileError
 from nnscaler_policy_autodist.spmd import NoPlanFits
@@ -105,6 +105,10 @@ def test_a_limit_stage_1_cannot_meet_chooses_a_sharded_stage(profile_dir, tmp_pa
     assert result.zero_stage in (2, 3) and graph.zero_stage == result.zero_stage
     assert result.solutions[0].mem <= limit
     assert {e.stage for e in result.zero_stages if not e.fits} == {0, 1}
+    text = report.text(result)
+    assert f"ZeRO stage {result.zero_stage} (counted in the memory and the step time, chosen " \
+           f"by zero_stage='auto')" in text
+    assert "ZeRO stage 1: no plan fits, needs" in text
     saved = json.loads(plan_file.read_text())
     assert saved["zero_stage"] == result.zero_stage
     assert [e["stage"] for e in saved["zero_stages_searched"]][0] == result.zero_stage
