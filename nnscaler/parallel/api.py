@@ -295,10 +295,7 @@ class _Generator:
                 f"the policy {name!r} must return the IRGraph it was given (after placing "
                 f"its ops), got {type(result).__name__}"
             )
-        if self.config.plan_ngpus == AUTO:
-            self.config = self.config.resolved(_unit_size(result, name, self.config))
-        if self.config.zero_stage == AUTO:
-            self.config = self.config.resolved(zero_stage=_zero_stage(result, name, self.config))
+        self.config = _resolve_auto(self.config, result, name)
         try:
             result.check(self.config.plan_ngpus)
         except Exception as e:
@@ -337,6 +334,16 @@ def _unit_size(graph: Any, policy: str, config: ComputeConfig) -> int:
             f"not a unit size dividing runtime_ngpus={config.runtime_ngpus}; only a policy "
             f"that chooses the unit (autodist) can take plan_ngpus='auto'")
     return n
+
+
+def _resolve_auto(config: ComputeConfig, graph: Any, policy: str) -> ComputeConfig:
+    """``config`` with what the policy chose for its ``'auto'`` fields: the unit size
+    (the devices its plan uses) and the ZeRO stage (``graph.zero_stage``)."""
+    if config.plan_ngpus == AUTO:
+        config = config.resolved(_unit_size(graph, policy, config))
+    if config.zero_stage == AUTO:
+        config = config.resolved(zero_stage=_zero_stage(graph, policy, config))
+    return config
 
 
 def _zero_stage(graph: Any, policy: str, config: ComputeConfig) -> int:

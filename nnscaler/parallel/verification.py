@@ -152,7 +152,7 @@ def verify(
     """
     from nnscaler.codegen import build_program, emit_files
     from nnscaler.graph import IRGraph
-    from nnscaler.parallel.api import _resolve_policy
+    from nnscaler.parallel.api import _resolve_policy, _resolve_auto
     from nnscaler.trace import trace
 
     start = time.perf_counter()
@@ -178,6 +178,7 @@ def verify(
     if not isinstance(planned, IRGraph):
         raise VerifyError(f"the policy {_policy_name(pas_policy)!r} must return the IRGraph it "
                           f"was given, got {type(planned).__name__}")
+    config = _resolve_auto(config, planned, _policy_name(pas_policy))
     planned.check(config.plan_ngpus)
     program = build_program(
         planned, plan_ngpus=config.plan_ngpus, runtime_ngpus=config.runtime_ngpus,

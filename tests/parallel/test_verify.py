@@ -219,3 +219,20 @@ def test_the_command_explains_what_it_cannot_run(tmp_path, monkeypatch, capsys, 
 
 def test_verify_error_is_an_nnscaler_error():
     assert issubclass(VerifyError, nnscaler.NNScalerError)
+
+
+def test_auto_fields_are_resolved_from_the_plan():
+    """``zero_stage='auto'`` (and ``plan_ngpus='auto'``): verify runs the stage and the
+    unit size the policy chose, as ``parallelize`` does."""
+    from nnscaler.policies import dp
+
+    def choosing(graph, cfg):
+        graph = dp(graph, cfg.resolved(1, zero_stage=1))
+        graph.choose_zero_stage(1)
+        return graph
+
+    torch.manual_seed(0)
+    report = nnscaler.verify(GPTWithLoss(GPT), {"batch": make_batch(GPT, batch_size=4, seed=0)},
+                             choosing, ComputeConfig("auto", 2, use_end2end=True,
+                                                     zero_stage="auto"))
+    assert report.equal and report.plan_ngpus == 1, str(report)
