@@ -152,7 +152,7 @@ def verify(
     """
     from nnscaler.codegen import build_program, emit_files
     from nnscaler.graph import IRGraph
-    from nnscaler.parallel.api import _resolve_policy, _resolve_auto
+    from nnscaler.parallel.api import _resolve_auto, _resolve_policy
     from nnscaler.trace import trace
 
     start = time.perf_counter()
