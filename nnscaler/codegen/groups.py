@@ -34,11 +34,18 @@ def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, .
             groups.append(key)
 
     invariant = relabel_invariant()
+    # where plans are renamed between units, so are their groups (sorted tuples shifted by
+    # the unit's offset stay sorted, in the same order): found once, in unit 0
+    first = [plan_groups(spec.plan, grad="exact") for spec in p.adapters] if invariant \
+        else None
     for unit in range(p.nunits):
         offset = unit * p.plan_ngpus
-        for spec in p.adapters:
-            plan = unit_plan(spec.plan, offset, invariant=invariant)
-            for ranks in plan_groups(plan, grad="exact"):
+        for k, spec in enumerate(p.adapters):
+            if first is not None:
+                for ranks in first[k]:
+                    add([r + offset for r in ranks])
+                continue
+            for ranks in plan_groups(unit_plan(spec.plan, offset), grad="exact"):
                 add(ranks)
     for unit in range(p.nunits):  # the parts of collective part ops
         offset = unit * p.plan_ngpus

@@ -15,6 +15,7 @@ the pipeline's schedule) are left alone: their writers wrap them.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 #: The widest line generated code writes.
@@ -23,29 +24,36 @@ _INDENT = "    "
 _OPEN = {"(": ")", "[": "]", "{": "}"}
 
 
-def _scan(text: str) -> list[tuple[int, str]]:
-    """The positions of brackets and commas outside string literals: ``(pos, char)``."""
-    out: list[tuple[int, str]] = []
-    quote = ""
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if quote:
-            if c == "\\":
-                i += 2
-                continue
-            if text.startswith(quote, i):
-                i += len(quote)
-                quote = ""
-                continue
-        elif c in "'\"":
-            quote = text[i:i + 3] if text[i:i + 3] in ('"""', "'''") else c
-            i += len(quote)
+_MARK = re.compile(r"""['"#()\[\]{},]""")  # what `_scan` stops at outside strings
+
+
+def _string_end(text: str, i: int, quote: str) -> int:
+    """Where the string literal whose body starts at ``i`` ends (past its closing
+    ``quote``; ``len(text)`` when it is not closed); a backslash escapes the next
+    character."""
+    while True:
+        close, escape = text.find(quote, i), text.find("\\", i)
+        if escape != -1 and (close == -1 or escape < close):
+            i = escape + 2
             continue
-        elif c == "#":
+        return len(text) if close == -1 else close + len(quote)
+
+
+def _scan(text: str) -> list[tuple[int, str]]:
+    """The positions of brackets and commas outside string literals: ``(pos, char)``.
+    Jumps from mark to mark with ``re`` and ``str.find``: a Python step per character was
+    most of the time of wrapping the long lines of large programs."""
+    out: list[tuple[int, str]] = []
+    i = 0
+    while (m := _MARK.search(text, i)) is not None:
+        i, c = m.start(), m.group()
+        if c == "#":
             break
-        elif c in "()[]{},":
-            out.append((i, c))
+        if c in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] in ('"""', "'''") else c
+            i = _string_end(text, i + len(quote), quote)
+            continue
+        out.append((i, c))
         i += 1
     return out
 

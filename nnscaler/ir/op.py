@@ -49,11 +49,32 @@ class OpPlan:
         return OpPlan(device=self.device, stage=self.stage, recompute=self.recompute)
 
 
+#: Leaves that are never containers: skipped without asking pytree.
+_ATOMS = frozenset({int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice,
+                    torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+def _collect(tree: Any, out: list[SubTensor]) -> None:
+    kind = type(tree)
+    if kind is SubTensor:
+        out.append(tree)
+    elif kind is list or kind is tuple:
+        for item in tree:
+            _collect(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            _collect(item, out)
+    elif kind not in _ATOMS:  # anything else as pytree flattens it (namedtuples, ...)
+        out.extend(leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, SubTensor))
+
+
 def tensors_in(tree: Any) -> Iterator[SubTensor]:
-    """Every `SubTensor` in a nested structure of lists, tuples and dicts."""
-    for leaf in pytree.tree_leaves(tree):
-        if isinstance(leaf, SubTensor):
-            yield leaf
+    """Every `SubTensor` in a nested structure of lists, tuples and dicts, in the order of
+    ``torch.utils._pytree.tree_leaves`` (plain lists, tuples and dicts are walked here:
+    pytree's generic flattening was most of the time of code generation at scale)."""
+    out: list[SubTensor] = []
+    _collect(tree, out)
+    return iter(out)
 
 
 @attrs.frozen(kw_only=True, eq=False)

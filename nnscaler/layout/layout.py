@@ -52,6 +52,8 @@ Box = tuple[tuple[int, int], ...]
 
 
 def _ints(what: str, value: Any, *, minimum: int) -> tuple[int, ...]:
+    if type(value) is tuple and all(type(x) is int and x >= minimum for x in value):
+        return value  # the common case, without the costlier checks below
     try:
         items = tuple(value)
     except TypeError:

@@ -165,3 +165,35 @@ def test_row_parallel_bias_parity_with_zero_and_async_reducer(tmp_path):
     holders = {name: meta.holders for name, meta in results[0]["fullmap"].items()}
     assert holders["gpt_blocks_0_mlp_proj_bias"] == (0, 2)
     assert "gpt_blocks_0_mlp_proj_bias" not in results[1]["fullmap"]
+
+
+def _scan_by_character(text: str) -> list[tuple[int, str]]:
+    """The reference for `_scan`: one step per character."""
+    out, quote, i = [], "", 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 2
+                continue
+            if text.startswith(quote, i):
+                i, quote = i + len(quote), ""
+                continue
+        elif c in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] in ('"""', "'''") else c
+            i += len(quote)
+            continue
+        elif c == "#":
+            break
+        elif c in "()[]{},":
+            out.append((i, c))
+        i += 1
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab'\"\\#()[]{}, ", max_size=40))
+def test_scan_finds_the_marks_a_character_loop_finds(text):
+    from nnscaler.codegen.wrap import _scan
+
+    assert _scan(text) == _scan_by_character(text)

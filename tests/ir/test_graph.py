@@ -85,3 +85,19 @@ def test_run_ops_releases_values_after_their_last_reader(graph):
     full = leaf_values(graph, Small(), {"x": torch.randn(2, 4)})
     run_ops(graph.ops, full, torch.device("cpu"))  # without a schedule: everything stays
     assert computed <= set(full)
+
+
+def test_tensors_in_walks_trees_in_pytree_order(graph):
+    import collections
+
+    import torch.utils._pytree as pytree
+
+    from nnscaler.ir import SubTensor, tensors_in
+
+    a, b, c, d = [t for op in graph.ops for t in op.output_tensors()][:4]
+    point = collections.namedtuple("point", "x y")
+    tree = [a, (1, "s", None, {"k": b, "j": [c, torch.float32]}), point(d, 2.0),
+            collections.OrderedDict(z=a), slice(1, 2)]
+    expected = [x for x in pytree.tree_leaves(tree) if isinstance(x, SubTensor)]
+    assert [id(t) for t in tensors_in(tree)] == [id(t) for t in expected]
+    assert len(expected) == 5
