@@ -24,37 +24,27 @@ _INDENT = "    "
 _OPEN = {"(": ")", "[": "]", "{": "}"}
 
 
-_MARK = re.compile(r"""['"#()\[\]{},]""")  # what `_scan` stops at outside strings
-
-
-def _string_end(text: str, i: int, quote: str) -> int:
-    """Where the string literal whose body starts at ``i`` ends (past its closing
-    ``quote``; ``len(text)`` when it is not closed); a backslash escapes the next
-    character."""
-    while True:
-        close, escape = text.find(quote, i), text.find("\\", i)
-        if escape != -1 and (close == -1 or escape < close):
-            i = escape + 2
-            continue
-        return len(text) if close == -1 else close + len(quote)
+_MARK = re.compile(r"[()\[\]{},]")
+#: A string literal (to its closing quote, or to the end of the text: a backslash escapes
+#: the next character), a comment's ``#``, or a bracket or comma.
+_TOKEN = re.compile(
+    r"""'''(?:\\[\s\S]?|[^\\])*?(?:'''|\Z)|\"\"\"(?:\\[\s\S]?|[^\\])*?(?:\"\"\"|\Z)"""
+    r"""|'(?:\\[\s\S]?|[^'\\])*(?:'|\Z)|"(?:\\[\s\S]?|[^"\\])*(?:"|\Z)|[#()\[\]{},]""")
 
 
 def _scan(text: str) -> list[tuple[int, str]]:
     """The positions of brackets and commas outside string literals: ``(pos, char)``.
-    Jumps from mark to mark with ``re`` and ``str.find``: a Python step per character was
-    most of the time of wrapping the long lines of large programs."""
+    Found by ``re`` (a Python step per character was most of the time of wrapping the long
+    lines of large programs)."""
+    if "'" not in text and '"' not in text and "#" not in text:
+        return [(m.start(), m.group()) for m in _MARK.finditer(text)]
     out: list[tuple[int, str]] = []
-    i = 0
-    while (m := _MARK.search(text, i)) is not None:
-        i, c = m.start(), m.group()
+    for m in _TOKEN.finditer(text):
+        c = m.group()[0]
         if c == "#":
             break
-        if c in "'\"":
-            quote = text[i:i + 3] if text[i:i + 3] in ('"""', "'''") else c
-            i = _string_end(text, i + len(quote), quote)
-            continue
-        out.append((i, c))
-        i += 1
+        if c != "'" and c != '"':
+            out.append((m.start(), c))
     return out
 
 
