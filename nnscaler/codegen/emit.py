@@ -542,7 +542,7 @@ class _Rank:
         if any(part.ends_in_string for part in parts):  # a '"""' left open: wrap it whole
             raw = [line for part in parts for line in part.raw]
             return "\n".join(wrap_lines(raw)) + "\n"
-        return "\n".join(line for part in parts for line in part.lines) + "\n"
+        return "\n".join(part.text for part in parts if part.lines) + "\n"
 
 
 #: How a block of generated lines runs: (no_grad, the autocast of its ops).

@@ -115,6 +115,13 @@ class Wrapped:
     raw: tuple[str, ...]
     lines: tuple[str, ...]
     ends_in_string: bool
+    #: ``lines`` joined by newlines (made once: a part shared by the files of many ranks
+    #: is joined once, not once per file)
+    text: str = attrs.field(init=False, eq=False, repr=False)
+
+    @text.default
+    def _text(self) -> str:
+        return "\n".join(self.lines)
 
     @classmethod
     def of(cls, raw: Sequence[str]) -> Wrapped:

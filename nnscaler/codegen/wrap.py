@@ -15,6 +15,7 @@ the pipeline's schedule) are left alone: their writers wrap them.
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 
@@ -100,18 +101,25 @@ def wrap_code(line: str, width: int = WIDTH) -> list[str]:
     """One line of code as lines of at most ``width`` columns where it can be broken."""
     if len(line) <= width:
         return [line]
+    return list(_wrap_long(line, width))
+
+
+@functools.lru_cache(maxsize=4096)
+def _wrap_long(line: str, width: int) -> tuple[str, ...]:
+    """`wrap_code` of a line longer than ``width``, remembered: the files of a large
+    program repeat many long lines (the holders of a parameter, in every rank's file)."""
     body = line.lstrip(" ")
     indent = line[:len(line) - len(body)]
     if body.startswith("#"):
-        return textwrap.wrap(body, width=width, initial_indent=indent,
-                             subsequent_indent=indent + "#   ", break_long_words=False,
-                             break_on_hyphens=False) or [line]
+        return tuple(textwrap.wrap(body, width=width, initial_indent=indent,
+                                   subsequent_indent=indent + "#   ",
+                                   break_long_words=False, break_on_hyphens=False) or [line])
     trailing = ""
     if body.endswith(","):
         body, trailing = body[:-1], ","
     parts = _split_last_bracket(body)
     if parts is None:
-        return [line]
+        return (line,)
     head, args, close = parts
     inner_indent = indent + _INDENT
     out = [indent + head]
@@ -121,7 +129,7 @@ def wrap_code(line: str, width: int = WIDTH) -> list[str]:
     if len(out[-1]) > width:  # the closing bracket did not fit: its own line
         out[-1] = out[-1][:-len(close + trailing)]
         out.append(indent + close + trailing)
-    return out
+    return tuple(out)
 
 
 def wrap_lines(lines: list[str], width: int = WIDTH) -> list[str]:
