@@ -16,7 +16,7 @@ class attribute (`nnscaler.runtime.pipeline.Pipeline`) for the executor.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
@@ -40,18 +40,38 @@ _INDENT = "    "
 _BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
 
 
-def describe_plan(plan: Plan) -> str:
-    """``all_gather(dim=0) over [0, 1]; chunk(dim=1) over [0, 1]``."""
+def describe_plan(plan: Plan, offset: int = 0) -> str:
+    """``all_gather(dim=0) over [0, 1]; chunk(dim=1) over [0, 1]``; ``offset``: the
+    description of `shifted_plan` ``(plan, offset)`` (its groups' devices renamed
+    ``d + offset``, the rest alike), without making that plan."""
+
+    def ranks(devices: tuple[int, ...]) -> str:
+        return ", ".join(str(d + offset) for d in devices)
+
     parts = []
     for step in plan.steps:
         args = ", ".join(f"{k}={v!r}" for k, v in step.params if k not in _BIG_PARAMS)
         groups = ", ".join(
-            f"[{', '.join(map(str, g.src))}]" if g.src == g.dst
-            else f"[{', '.join(map(str, g.src))}] -> [{', '.join(map(str, g.dst))}]"
+            f"[{ranks(g.src)}]" if g.src == g.dst else f"[{ranks(g.src)}] -> [{ranks(g.dst)}]"
             for g in step.groups
         )
         parts.append(f"{step.name}({args}) over {groups}")
     return "; ".join(parts)
+
+
+def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``pytree.tree_map(fn, tree)``, walking plain lists, tuples and dicts itself (the
+    generic walk was a large part of writing the calls of a large program)."""
+    kind = type(tree)
+    if kind is list:
+        return [_map_leaves(fn, x) for x in tree]
+    if kind is tuple:
+        return tuple(_map_leaves(fn, x) for x in tree)
+    if kind is dict:
+        return {k: _map_leaves(fn, v) for k, v in tree.items()}
+    if kind is SubTensor or kind in (int, float, bool, str, type(None)):
+        return fn(tree)  # a leaf
+    return pytree.tree_map(fn, tree)
 
 
 def _is_plain(tree: Any) -> bool:
@@ -175,8 +195,8 @@ class _Rank:
                 return None if var is None else Code(var)
             return x
 
-        inputs = pytree.tree_map(to_code, list(op.inputs))
-        kwargs = pytree.tree_map(to_code, dict(op.kwargs))
+        inputs = _map_leaves(to_code, list(op.inputs))
+        kwargs = _map_leaves(to_code, dict(op.kwargs))
         if step.part_devices is not None:  # a collective part op talks to its sibling parts
             kwargs["group"] = Code(f"self.part_group({step.part_devices!r})")
         if op.opdef is not None and op.opdef.name == MULTIREF_NAME:
@@ -504,9 +524,11 @@ class _Rank:
         """``ADAPTER_{index} = Adapter(...)`` on this scale unit's ranks, under a comment
         with its steps (the same in every file of the unit that runs the adapter)."""
         src, dst = shifted(spec.src, self.offset), shifted(spec.dst, self.offset)
-        invariant = relabel_invariant() if self.offset else None
-        plan = unit_plan(spec.plan, self.offset, invariant=invariant)
-        return (f"# {spec.label}: {describe_plan(plan)}",
+        if not self.offset or relabel_invariant():  # the unit's plan is unit 0's renamed
+            steps = describe_plan(spec.plan, self.offset)
+        else:
+            steps = describe_plan(unit_plan(spec.plan, self.offset, invariant=False))
+        return (f"# {spec.label}: {steps}",
                 f'ADAPTER_{spec.index} = Adapter("{src}", "{dst}", shape={tuple(src.shape)!r}, '
                 f"dtype={literal(spec.full.dtype)})")
 
