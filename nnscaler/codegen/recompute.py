@@ -31,6 +31,7 @@ A group that spans two pipeline stages is refused when the program is built
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -84,6 +85,14 @@ def _parse(lines: Sequence[str]) -> list[ast.stmt]:
         raise CodegenError(f"internal error: a generated method does not parse ({e})") from e
 
 
+@functools.lru_cache(maxsize=4096)
+def _run_names(lines: tuple[str, ...]) -> list[tuple[list[str], list[str]]]:
+    """`_loads_stores` of each statement of a run of lines, remembered by its text: the
+    devices of one stage often run the same lines (their pieces of the same layers).
+    Callers only read the result."""
+    return [_loads_stores(stmt) for stmt in _parse(lines)]
+
+
 def _runs(body: list[str]) -> list[tuple[int | None, list[str]]]:
     """``body`` cut at its markers: runs of lines, each ``(key, lines)`` with ``key`` the
     piece's key for the lines of a piece and None for the lines between pieces. Markers
@@ -120,7 +129,7 @@ def extract(body: list[str], params: Sequence[str], segments: dict[int, Segment]
     variable is read after a piece is looked up in the index of the last run reading it."""
     runs = _runs(body)
     # per statement of each run, in order: (names it reads, names it assigns), one walk
-    names = [[_loads_stores(stmt) for stmt in _parse(lines)] for _, lines in runs]
+    names = [_run_names(tuple(lines)) for _, lines in runs]
     last_read: dict[str, int] = {}  # variable -> the last run that reads it
     for r, stmts in enumerate(names):
         for loads, _ in stmts:

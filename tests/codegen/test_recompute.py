@@ -221,11 +221,14 @@ def test_extract_parses_every_line_once(monkeypatch, n):
 
     parsed: list[int] = []
     real = rc._parse
+    rc._run_names.cache_clear()  # runs are remembered by their text
     monkeypatch.setattr(rc, "_parse", lambda lines: parsed.append(len(lines)) or real(lines))
     body, segments = _pieces_body(n)
     new, methods = rc.extract(body, ["x"], segments)
     lines = sum(1 for line in body if not line.startswith(("#<", "#</")))
     assert sum(parsed) == lines  # each run of lines once, never the method again
+    assert rc.extract(body, ["x"], segments) == (new, methods)  # another device's
+    assert sum(parsed) == lines  # same lines: not parsed again
     assert len(methods) == n
     assert new[1] == "q0 = torch.utils.checkpoint.checkpoint(self._recompute_0, p0, " \
                      "use_reentrant=False)"
