@@ -159,11 +159,18 @@ class Op:
 
     def input_tensors(self) -> list[SubTensor]:
         """Every tensor the op reads (inputs, then keyword arguments)."""
-        return [*tensors_in(self.inputs), *tensors_in(dict(self.kwargs))]
+        out: list[SubTensor] = []
+        _collect(self.inputs, out)
+        for value in self.kwargs.values():
+            _collect(value, out)
+        return out
 
     def output_tensors(self) -> list[SubTensor]:
         """Every tensor the op produces: its results and the new versions it writes."""
-        outs = list(tensors_in(self.outputs))
+        outs: list[SubTensor] = []
+        _collect(self.outputs, outs)
+        if not self.mutations:
+            return outs
         seen = {id(t.full) for t in outs}
         outs += [after for _, after in self.mutations if id(after.full) not in seen]
         return outs
