@@ -16,7 +16,7 @@ class attribute (`nnscaler.runtime.pipeline.Pipeline`) for the executor.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -27,53 +27,16 @@ from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.file_parts import DeviceCode, Wrapped, header, program_attributes
-from nnscaler.codegen.layouts import relabel_invariant, shifted, unit_plan
+from nnscaler.codegen.layouts import describe_plan, relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
 from nnscaler.codegen.program_types import AdapterSpec, OpStep, Program
 from nnscaler.codegen.stage_writer import StageWriter
 from nnscaler.codegen.wrap import wrap_lines
 from nnscaler.graph.ops import MULTIREF_NAME
 from nnscaler.ir import FullTensor, Op, SubTensor, TensorKind, tensors_in
-from nnscaler.layout import Plan
+from nnscaler.ir.op import map_leaves
 
 _INDENT = "    "
-_BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
-
-
-def describe_plan(plan: Plan, offset: int = 0) -> str:
-    """``all_gather(dim=0) over [0, 1]; chunk(dim=1) over [0, 1]``; ``offset``: the
-    description of `shifted_plan` ``(plan, offset)`` (its groups' devices renamed
-    ``d + offset``, the rest alike), without making that plan."""
-
-    def ranks(devices: tuple[int, ...]) -> str:
-        return ", ".join(str(d + offset) for d in devices)
-
-    parts = []
-    for step in plan.steps:
-        args = ", ".join(f"{k}={v!r}" for k, v in step.params if k not in _BIG_PARAMS)
-        groups = ", ".join(
-            f"[{ranks(g.src)}]" if g.src == g.dst else f"[{ranks(g.src)}] -> [{ranks(g.dst)}]"
-            for g in step.groups
-        )
-        parts.append(f"{step.name}({args}) over {groups}")
-    return "; ".join(parts)
-
-
-def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``pytree.tree_map(fn, tree)``, walking plain lists, tuples and dicts itself (the
-    generic walk was a large part of writing the calls of a large program)."""
-    kind = type(tree)
-    if kind is list:
-        return [_map_leaves(fn, x) for x in tree]
-    if kind is tuple:
-        return tuple(_map_leaves(fn, x) for x in tree)
-    if kind is dict:
-        return {k: _map_leaves(fn, v) for k, v in tree.items()}
-    if kind is SubTensor or kind in (int, float, bool, str, type(None)):
-        return fn(tree)  # a leaf
-    return pytree.tree_map(fn, tree)
-
-
 def _is_plain(tree: Any) -> bool:
     """Only lists, tuples (not named) and dicts with literal keys around the leaves."""
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
@@ -195,8 +158,8 @@ class _Rank:
                 return None if var is None else Code(var)
             return x
 
-        inputs = _map_leaves(to_code, list(op.inputs))
-        kwargs = _map_leaves(to_code, dict(op.kwargs))
+        inputs = map_leaves(to_code, list(op.inputs))
+        kwargs = map_leaves(to_code, dict(op.kwargs))
         if step.part_devices is not None:  # a collective part op talks to its sibling parts
             kwargs["group"] = Code(f"self.part_group({step.part_devices!r})")
         if op.opdef is not None and op.opdef.name == MULTIREF_NAME:

@@ -211,3 +211,25 @@ def replicated(shape: tuple[int, ...], devices: Sequence[int]) -> Layout:
     """``R(n)`` over ``devices``: every device holds the whole tensor."""
     return Layout(shape=shape, r=len(devices), v=1, d=(1,) * len(shape),
                   devices=tuple(devices))
+
+
+_BIG_PARAMS = frozenset({"transfers", "in_shapes", "out_shapes"})
+
+
+def describe_plan(plan: Plan, offset: int = 0) -> str:
+    """``all_gather(dim=0) over [0, 1]; chunk(dim=1) over [0, 1]``; ``offset``: the
+    description of `shifted_plan` ``(plan, offset)`` (its groups' devices renamed
+    ``d + offset``, the rest alike), without making that plan."""
+
+    def ranks(devices: tuple[int, ...]) -> str:
+        return ", ".join(str(d + offset) for d in devices)
+
+    parts = []
+    for step in plan.steps:
+        args = ", ".join(f"{k}={v!r}" for k, v in step.params if k not in _BIG_PARAMS)
+        groups = ", ".join(
+            f"[{ranks(g.src)}]" if g.src == g.dst else f"[{ranks(g.src)}] -> [{ranks(g.dst)}]"
+            for g in step.groups
+        )
+        parts.append(f"{step.name}({args}) over {groups}")
+    return "; ".join(parts)

@@ -77,6 +77,21 @@ def tensors_in(tree: Any) -> Iterator[SubTensor]:
     return iter(out)
 
 
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``pytree.tree_map(fn, tree)``, walking plain lists, tuples and dicts itself (code
+    generation maps the arguments of every op instance)."""
+    kind = type(tree)
+    if kind is list:
+        return [map_leaves(fn, x) for x in tree]
+    if kind is tuple:
+        return tuple(map_leaves(fn, x) for x in tree)
+    if kind is dict:
+        return {k: map_leaves(fn, v) for k, v in tree.items()}
+    if kind is SubTensor or kind in (int, float, bool, str, type(None)):
+        return fn(tree)  # a leaf
+    return pytree.tree_map(fn, tree)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class Op:
     """One recorded call.
