@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nnscaler.config import AUTO, ComputeConfig, ComputeConfigError, as_compute_config
-from nnscaler.errors import PlanError, PolicyError
+from nnscaler.errors import PolicyError
 from nnscaler.graph import IRGraph
 from nnscaler.ir import Graph, Op
 

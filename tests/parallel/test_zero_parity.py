@@ -40,7 +40,7 @@ def gathered_grads(pm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``attr -> gradient`` of this rank's parameter pieces, rebuilt from the stage-2
     shards of every rank (an all_gather_object over the job; tiny models only)."""
     mine = []
-    for ri, reducer in enumerate(pm.reducers):
+    for reducer in pm.reducers:
         for bi, bucket in enumerate(reducer.buckets):
             grad = bucket.shard_param.grad
             mine.append((tuple(reducer.ranks), bi, bucket.shard_index, grad.detach().clone()))

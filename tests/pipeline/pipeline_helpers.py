@@ -39,8 +39,8 @@ from nnscaler.graph import IRGraph  # noqa: E402
 from nnscaler.ir import Graph  # noqa: E402
 from nnscaler.models import MLP, GPTConfig, GPTWithLoss, MLPConfig  # noqa: E402
 from nnscaler.models import gpt as gpt_module  # noqa: E402
-from nnscaler.runtime.zero3 import gathered  # noqa: E402
 from nnscaler.models import mlp as mlp_module  # noqa: E402
+from nnscaler.runtime.zero3 import gathered  # noqa: E402
 from nnscaler.trace import trace  # noqa: E402
 
 LR, MOMENTUM = 0.1, 0.9

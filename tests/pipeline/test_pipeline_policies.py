@@ -11,9 +11,9 @@ from pipeline_helpers import case, config, plan
 
 from nnscaler.errors import UnknownNameError
 from nnscaler.graph import IRGraph, run_plan
+from nnscaler.ir import tensors_in
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies import PolicyError, hybrid, pp
-from nnscaler.ir import tensors_in
 from nnscaler.policies.pipeline import _inside, _layer, cut_points, op_cost
 
 
