@@ -255,11 +255,14 @@ def stage_counts(n: int, cfg: AutoDistConfig, nops: int, layers: int = 0) -> lis
 
 
 def search_pipeline(ops: Sequence[Op], n: int, model: CostModel, cfg: AutoDistConfig,
-                    limit: float | None, nmicros: int, outputs: Sequence[SubTensor]
+                    limit: float | None, nmicros: int, outputs: Sequence[SubTensor],
+                    bound: Callable[[int], float] | None = None,
                     ) -> tuple[PipelinePlan, list[StageProblem], list[Solution]]:
-    """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows."""
-    found = search_pipeline_bounded(ops, n, model, cfg, limit, nmicros, outputs)
-    assert found is not None  # no cap: every stage count is searched
+    """The fastest plan over the stage counts ``cfg.pipeline_nstages`` allows (``bound``:
+    as in `search_pipeline_bounded`, which without a cap always finds one)."""
+    found = search_pipeline_bounded(ops, n, model, cfg, limit, nmicros, outputs, bound=bound)
+    if found is None:  # pragma: no cover - the first stage count is always searched
+        raise RuntimeError("autodist: the uncapped pipeline search returned no plan")
     return found
 
 

@@ -56,6 +56,7 @@ from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
     count_layers,
+    search_pipeline,
     search_pipeline_bounded,
     stage_counts,
 )
@@ -128,7 +129,7 @@ def _with_nodes(spec: DeviceSpec, per_node: int | None, runtime: int) -> DeviceS
             f"devices of each node, one of {whole}, or a runtime_ngpus that is a multiple of "
             f"{per_node}"
         )
-    return attrs.evolve(spec, per_node=min(per_node, runtime))
+    return attrs.evolve(spec, per_node=per_node)
 
 
 def _unit_sizes(config: ComputeConfig, cfg: AutoDistConfig) -> list[int]:
@@ -337,10 +338,9 @@ def _search(g: IRGraph, models: dict[int, CostModel], config: ComputeConfig,
             ops, models, cfg, limit, nmicros, outputs, config.runtime_ngpus)
     else:
         bounds = _Bounds(ops, cfg, nmicros)
-        found = search_pipeline_bounded(ops, n, models[n], cfg, limit, nmicros, outputs,
-                                        bound=lambda s: bounds.step(models[n], n, s))
-        assert found is not None  # no cap: a stage count is always searched
-        pipe, problems, solutions = found
+        pipe, problems, solutions = search_pipeline(
+            ops, n, models[n], cfg, limit, nmicros, outputs,
+            bound=lambda s: bounds.step(models[n], n, s))
     return n, pipe, problems, solutions, meshes
 
 
