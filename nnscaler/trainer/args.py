@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnscaler.config import ComputeConfig
+from nnscaler.config import AUTO, ComputeConfig
 from nnscaler.trainer.default_policy import DEFAULT_POLICY, ONE_DEVICE_POLICY, default_policy
 from nnscaler.trainer.errors import ConfigError
 from nnscaler.trainer.fields import (
@@ -444,7 +444,8 @@ class TrainerArgs(Checked):
         if self.collective_timeout <= 0:
             raise ConfigError(f"{prefix}collective_timeout must be > 0 seconds, got "
                               f"{self.collective_timeout!r}.", f"{prefix}collective_timeout")
-        self.grad_accumulation_steps = self._accumulation(prefix)
+        if self.compute_config.plan_ngpus != AUTO:  # else once the plan chose the unit
+            self.grad_accumulation_steps = self._accumulation(prefix)
         # every class path must import now, not three layers later
         refs = [("model.type", self.model.type), ("optimizer.type", self.optimizer.type),
                 ("dataset.type", self.dataset.type), ("dataloader.type", self.dataloader.type),
@@ -490,6 +491,14 @@ class TrainerArgs(Checked):
                 f"{prefix}grad_accumulation_steps",
             )
         return derived
+
+    def resolve(self, config: ComputeConfig) -> None:
+        """Take the config ``parallelize`` made concrete (``plan_ngpus='auto'`` or
+        ``zero_stage='auto'`` replaced by the plan's choice), and check the batch sizes
+        against its scale units, as a given ``plan_ngpus`` is checked when the arguments
+        are built."""
+        self.compute_config = config
+        self.grad_accumulation_steps = self._accumulation(f"{self._key}." if self._key else "")
 
     # -- derived --------------------------------------------------------------------
     @property

@@ -97,8 +97,12 @@ class Builder:
         t, args = self.trainer, self.trainer.args
         t.train_dataset = args.create_dataset("train")
         t.val_dataset = args.create_dataset("val")
-        if not loaders:
-            return
+        if loaders:
+            self.build_loaders()
+
+    def build_loaders(self) -> None:
+        """The samplers (this unit's share of each dataset) and the data loaders."""
+        t, args = self.trainer, self.trainer.args
         sampler_cls = resolve_object(args.dataset_sampler.type, "dataset_sampler.type")
         loader_cls = resolve_object(args.dataloader.type, "dataloader.type")
         units = args.compute_config.scale_units
@@ -206,6 +210,17 @@ class Builder:
             return build_with_parallel_submodules(t, load_module=True, model_fn=self._module_fn())
         cls = self.parallelize(load_module=True)
         return cls(init_params=not self.meta_parameters())
+
+    def resolve_compute_config(self) -> None:
+        """After `build_model`: the Trainer's ``compute_config`` with what ``parallelize``
+        chose for its ``'auto'`` fields (the unit size, the ZeRO stage), read from the
+        parallel modules, and the batch sizes checked against the scale units."""
+        from nnscaler.parallel.optimizer import _as_chosen
+        from nnscaler.runtime.module import ParallelModule
+
+        t, args = self.trainer, self.trainer.args
+        pms = [m for m in t.model.modules() if isinstance(m, ParallelModule)]
+        args.resolve(_as_chosen(args.compute_config, pms, pms[0].plan_ngpus))
 
     def compile_model(self) -> None:
         """Generate the code of every rank (``run_mode='compile'``)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from nnscaler.config import AUTO
 from nnscaler.trainer.args import TrainerArgs
 from nnscaler.trainer.build import Builder, SkipSampler
 from nnscaler.trainer.checkpointer import Checkpointer
@@ -170,9 +171,13 @@ class Trainer:
         if args.init_env_fn is not None:
             resolve_object(args.init_env_fn, "init_env_fn")(self)
         build.seed()
-        build.build_datasets(loaders=True)
+        auto = args.compute_config.plan_ngpus == AUTO  # the plan chooses the scale units
+        build.build_datasets(loaders=not auto)
         build.make_dummy_input()
         self.model = build.build_model()
+        build.resolve_compute_config()
+        if auto:
+            build.build_loaders()
         if args.model.pretrained is not None:
             from nnscaler.checkpoint import load_pretrained
 

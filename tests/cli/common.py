@@ -136,6 +136,8 @@ def run_trainer(args: TrainerArgs) -> dict[str, Any]:
         "optimizer": _cpu(trainer.optimizer.state_dict()),
         "losses": losses,
         "step": trainer.global_step,
+        "compute_config": trainer.args.compute_config,
+        "update_freq": trainer.args.update_freq,
         "lr": trainer.optimizer.param_groups[0]["lr"],
     }
 

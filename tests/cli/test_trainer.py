@@ -81,12 +81,15 @@ def _two_process_run(rank, world, tmp, policy, plan):
                                     max_train_steps=10))
 
 
-@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
+@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2), ("autodist", "auto")])
 def test_two_processes_equal_one(tmp_path, policy, plan):
     one = run_trainer(trainer_args(tmp_path / "one", max_train_steps=10))
     results = run_distributed(_two_process_run, 2, str(tmp_path / policy), policy, plan)
     assert_same_weights(merged_weights(results), merged_weights([one]), exact=False)
     torch.testing.assert_close(results[0]["losses"], one["losses"], rtol=1e-5, atol=0)
+    config = results[0]["compute_config"]  # 'auto' resolved to the plan's unit size
+    assert config.plan_ngpus in (1, 2) and config.runtime_ngpus == 2
+    assert config.scale_units * 4 * results[0]["update_freq"] == 8  # the global batch kept
 
 
 def test_rotation_last_and_best(tmp_path):
