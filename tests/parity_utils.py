@@ -56,7 +56,7 @@ def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus:
                 continue
             want = by_name(ref["grads"], meta)
             total = totals.setdefault(meta.orig_name, torch.zeros_like(want))
-            total[meta.slicers] += res["raw"][attr]
+            meta.take(total).add_(res["raw"][attr])  # a view of total
     for name, total in totals.items():
         want = ref["grads"].get(name)
         if want is not None:
@@ -72,11 +72,11 @@ def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus:
                 continue
             grad = by_name(ref["grads"], meta)
             if not zero:
-                torch.testing.assert_close(res["synced"][attr], grad[meta.slicers], rtol=RTOL,
+                torch.testing.assert_close(res["synced"][attr], meta.take(grad), rtol=RTOL,
                                            atol=ATOL,
                                            msg=lambda m, a=attr, r=rank: f"rank {r} {a} grad: {m}")
             if steps:
                 torch.testing.assert_close(res["params"][attr],
-                                           by_name(ref["params"], meta)[meta.slicers],
+                                           meta.take(by_name(ref["params"], meta)),
                                            rtol=RTOL, atol=ATOL,
                                            msg=lambda m, a=attr, r=rank: f"rank {r} {a}: {m}")

@@ -12,9 +12,9 @@ in the same processes and timed step by step, interleaved (``bench/_launch.py``)
 - ``ep-skewed``: ``ep`` with a router biased so that every token's first choice is expert
   0 (its rank runs every token once, the others share the second choices);
 - ``ffn-tp``: the ``megatron`` policy with ``tensor_model_parallel_size = world`` and no
-  expert parallelism: every expert split by its intermediate units (each rank slices
-  ``gate_up`` and holds ``1 / world`` of ``down``), every rank running the unit's tokens,
-  the same batch as ``ep``.
+  expert parallelism: every expert split by its intermediate units (each rank holds
+  ``1 / world`` of ``gate_up``, its gate rows and its up rows, and of ``down``), every
+  rank running the unit's tokens, the same batch as ``ep``.
 
 Reported: the median step (a step as slow as its slowest rank) and its ratio to
 ``dense``; the bytes of expert weights per rank; the all-to-all's share of the ``ep``
@@ -144,8 +144,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[st
             opt.zero_grad()
             return loss
 
-        expert = sum(getattr(pm, a).numel() * 4 for a, m in pm.fullmap.items()
-                     if m.kind == "parameter" and getattr(pm, a).dim() == 3)
+        expert = sum(getattr(pm, a).numel() * 4 for a, m in pm.fullmap.items()  # 3-d stacks
+                     if m.kind == "parameter" and len(m.model_shape or m.shape) == 3)
         with record_routing() as records:
             step()
         imbalance = statistics.mean(r.imbalance for r in records) if records else 1.0

@@ -66,11 +66,14 @@ def _as_list(value: Any, what: str) -> list[Any]:
 
 
 class _Pieces:
-    """The distinct pieces of one full tensor, put back together."""
+    """The distinct pieces of one full tensor, put back together (in ``model_shape``, the
+    module's own, when the plan held it reshaped)."""
 
-    def __init__(self, name: str, shape: Sequence[int]) -> None:
+    def __init__(self, name: str, shape: Sequence[int],
+                 model_shape: Sequence[int] | None = None) -> None:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
+        self.model_shape = None if model_shape is None else tuple(int(s) for s in model_shape)
         self.parts: dict[tuple[tuple[tuple[int, int], ...], tuple[int, int]], torch.Tensor] = {}
 
     def add(self, index: Sequence[Sequence[int]], value: Sequence[int], t: torch.Tensor) -> None:
@@ -105,7 +108,7 @@ class _Pieces:
                 f"{what}: the state dicts given hold {covered} of the {numel(self.shape)} "
                 f"elements of {self.name} {self.shape}; {hint}"
             )
-        return full
+        return full if self.model_shape is None else full.reshape(self.model_shape)
 
 
 class _ModuleView:
@@ -152,7 +155,8 @@ class _ModuleView:
                         f"({describe_piece(rec['name'], rec['shape'], rec['index'])}); the "
                         f"state dict was edited after it was saved"
                     )
-                pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"])).add(
+                pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"],
+                                                       rec.get("model_shape"))).add(
                     rec["index"], rec["value"], t)
                 names.setdefault(rec["name"], list(rec["names"]))
         full: dict[str, torch.Tensor] = {}
@@ -222,9 +226,11 @@ def _same_scalar(a: Any, b: Any) -> bool:
 class _ParamState:
     """The optimizer state of one original parameter, gathered from its pieces."""
 
-    def __init__(self, name: str, shape: Sequence[int]) -> None:
+    def __init__(self, name: str, shape: Sequence[int],
+                 model_shape: Sequence[int] | None = None) -> None:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
+        self.model_shape = model_shape
         self.keys: list[Any] = []
         self.elementwise: dict[Any, _Pieces] = {}
         self.scalars: dict[Any, Any] = {}
@@ -250,7 +256,8 @@ class _ParamState:
                         f"{describe_piece(rec['name'], rec['shape'], rec['index'], rec['value'])}"
                         f" belongs to a value part of a parameter, which cannot be merged"
                     )
-                self.elementwise.setdefault(key, _Pieces(self.name, self.shape)).add(
+                self.elementwise.setdefault(
+                    key, _Pieces(self.name, self.shape, self.model_shape)).add(
                     rec["index"], rec["value"], value)
             elif is_scalar(value):
                 if key in self.scalars and not _same_scalar(self.scalars[key], value):
@@ -298,7 +305,8 @@ class _OptimizerMerge(SavedRanks):
 
     def param_state(self, view: _ModuleView, rec: Mapping[str, Any]) -> _ParamState:
         name = view.prefix + rec["name"]
-        return self.params.setdefault(name, _ParamState(name, rec["shape"]))
+        return self.params.setdefault(name, _ParamState(name, rec["shape"],
+                                                        rec.get("model_shape")))
 
     def on_piece(self, view: _ModuleView, rec: Mapping[str, Any], r: int, i: Any,
                  state: Mapping[Any, Any], opt: str) -> None:

@@ -184,6 +184,13 @@ class _Catalog:
                         continue  # another rank's file keeps it
                     raise CheckpointError(f"{where} lacks {key!r}, which its own metadata "
                                           f"lists; the file was edited after it was saved")
+                if rec.get("model_shape") is not None:  # held reshaped: the module's boxes
+                    entry = self.entry([prefix + n for n in rec["names"]], rec["model_shape"],
+                                       parse_dtype(rec["dtype"]))
+                    boxes, d = model_boxes(rec["shape"], rec["model_shape"], rec["index"])
+                    for j, box in enumerate(boxes):
+                        entry.add(box, rec["value"], holder, f"{key}{_VIEW}{d}/{j}")
+                    continue
                 self.entry([prefix + n for n in rec["names"]], rec["shape"],
                            parse_dtype(rec["dtype"])).add(rec["index"], rec["value"], holder, key)
             for n, t in (extra.get("unheld") or {}).items():
@@ -211,7 +218,34 @@ class _Catalog:
                 )
 
 
+#: ``<key>/view/<d>/<j>``: index ``j`` of dim ``d`` of a piece held reshaped (`model_boxes`)
+_VIEW = "/view/"
+
+
+def model_boxes(shape: Sequence[int], model_shape: Sequence[int],
+                index: Sequence[Sequence[int]]) -> tuple[list[Box], int]:
+    """The boxes of a module's tensor (``model_shape``) that the box ``index`` of its
+    reshaped view (``shape``: one dim ``d`` of ``model_shape`` split in two, as an expert
+    ``gate_up_proj [E, 2F, H]`` held as ``[E, 2, F, H]``) covers: one per index of view dim
+    ``d`` in the box, in order; and ``d``. Index ``j`` of dim ``d`` of the piece is box
+    ``j``."""
+    shape, model_shape = tuple(int(s) for s in shape), tuple(int(s) for s in model_shape)
+    box = _as_box(index)
+    for d in range(len(shape) - 1):
+        if shape[:d] + (shape[d] * shape[d + 1],) + shape[d + 2:] == model_shape:
+            n, (t0, t1), (f0, f1) = shape[d + 1], box[d], box[d + 1]
+            return [box[:d] + ((t * n + f0, t * n + f1),) + box[d + 2:]
+                    for t in range(t0, t1)], d
+    raise CheckpointError(f"a piece of shape {shape} is recorded as a view of a tensor of shape "
+                          f"{model_shape}, which does not split one of its dims in two; the "
+                          f"state dict was edited after it was saved")
+
+
 def _lookup(sd: Mapping[str, Any], key: str) -> torch.Tensor:
+    if _VIEW in key:
+        head, sel = key.split(_VIEW, 1)
+        d, j = (int(x) for x in sel.split("/"))
+        return _lookup(sd, head).select(d, j).contiguous()
     if f"{EXTRA_KEY}/unheld/" in key:
         head, name = key.split("/unheld/", 1)
         return sd[head]["unheld"][name]
@@ -465,7 +499,11 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
                 continue
             names = [prefix + n for n in meta.names]
             name = find(names[0], names)
-            _check_spec(what, names[0], name, source, meta.shape, meta.dtype)
+            _check_spec(what, names[0], name, source, meta.model_shape or meta.shape,
+                        meta.dtype)
+            if meta.model_shape is not None:  # held reshaped: cut its box from the view
+                jobs.append(_view_job(getattr(pm, attr), source, name, meta))
+                continue
             jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
                                   meta.value[0] != 0))
         jobs += _plan_unheld(pm, prefix, manifest, source, find)
@@ -519,9 +557,21 @@ def _plan_nonpersistent(pm: Any, what: str) -> list[Job]:
 def _fill_job(target: torch.Tensor, full: torch.Tensor, meta: Any) -> Job:
     def run() -> None:
         if meta.value[0] == 0:
-            target.copy_(full[meta.slicers])
+            target.copy_(meta.take(full))
         else:
             target.zero_()
+    return run
+
+
+def _view_job(target: torch.Tensor, source: Any, name: str, meta: Any) -> Job:
+    """A piece of a parameter held reshaped: its box of the view is one box of the
+    module's tensor per index of the view's split dim, read one by one and stacked."""
+    def run() -> None:
+        if meta.value[0] != 0:
+            target.zero_()
+            return
+        boxes, d = model_boxes(meta.shape, meta.model_shape, meta.index)
+        target.copy_(torch.stack([source.read(name, b) for b in boxes], dim=d))
     return run
 
 

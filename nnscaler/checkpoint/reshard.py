@@ -49,7 +49,7 @@ def _full_of(state: Mapping[str, Any], prefix: str, names: Sequence[str]) -> tup
 
 def _cut(full: torch.Tensor, meta: Any, device: torch.device | None) -> torch.Tensor:
     if meta.value[0] == 0:
-        piece = full[meta.slicers]
+        piece = meta.take(full)
     else:
         piece = torch.zeros(meta.sub_shape, dtype=full.dtype, device=full.device)
     return piece.to(device) if device is not None else piece
@@ -173,10 +173,12 @@ def _take_parallel_module(prefix: str, pm: Any, full: Mapping[str, Any],
         if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
             continue
         key, value = _full_of(full, prefix, meta.names)
+        want = meta.model_shape or meta.shape  # a weight held reshaped: the module's shape
         if value is None:
-            raise _mismatch(name, key, "absent", meta.shape)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(meta.shape):
-            raise _mismatch(name, key, tuple(getattr(value, "shape", ())), meta.shape)
+            raise _mismatch(name, key, "absent", want)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) not in (
+                tuple(meta.shape), want):
+            raise _mismatch(name, key, tuple(getattr(value, "shape", ())), want)
         consumed.update(prefix + n for n in meta.names)
         local[prefix + attr] = _cut(value, meta, dev)
     extra: dict[str, Any] = {MARKER: FORMAT,
@@ -273,9 +275,10 @@ def _split_state(opt: str, name: str, meta: Any, state: Mapping[Any, Any],
     pieces: dict[Any, torch.Tensor] = {}
     scalars: dict[Any, Any] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(meta.shape) and (
+        if isinstance(value, torch.Tensor) and tuple(value.shape) in (
+                tuple(meta.shape), meta.model_shape) and (
                 value.dim() > 0 or len(meta.shape) == 0):
-            piece = value[meta.slicers]
+            piece = meta.take(value)
             if device is not None:
                 piece = piece.to(device, copy=copy)
             pieces[key] = piece.clone() if copy and device is None else piece

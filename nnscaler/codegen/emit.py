@@ -426,6 +426,8 @@ class _Rank:
                 fields.append(f"holders={p.leaf_holders(leaf, self.device)!r}")
                 if not full.requires_grad:
                     fields.append("requires_grad=False")
+                if full.model_shape is not None:  # held reshaped (nnscaler.trace.moe_weights)
+                    fields.append(f"model_shape={tuple(full.model_shape)!r}")
                 lines.append(f"self.add_param({', '.join(fields)})")
             elif full.kind is TensorKind.BUFFER:
                 if not full.persistent:

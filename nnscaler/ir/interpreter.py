@@ -30,7 +30,8 @@ def _state_of(params: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
 def _lookup(t: FullTensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
     for name in t.names:
         if name in state:
-            return state[name]
+            value = state[name]
+            return value if t.model_shape is None else value.reshape(t.shape)
     raise InterpreterError(
         f"the graph needs the {t.kind.value} {' / '.join(t.names)} (shape {list(t.shape)}) but "
         f"the given parameters and buffers have no entry by that name; pass the traced module "

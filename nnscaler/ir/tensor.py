@@ -70,7 +70,11 @@ class FullTensor:
       head tied to the token embedding), or the argument path of a forward input;
     - ``persistent``: for buffers, whether it is in the module's ``state_dict``;
     - ``base``: for a version > 0, the version-0 tensor;
-    - ``value``: the captured value of a `TensorKind.CONSTANT` (None otherwise).
+    - ``value``: the captured value of a `TensorKind.CONSTANT` (None otherwise);
+    - ``model_shape``: for a parameter the graph holds reshaped (``shape``, the same
+      elements in row-major order, e.g. an expert weight ``[E, 2F, H]`` viewed as
+      ``[E, 2, F, H]``), the module's own shape: values from the module and checkpoints
+      for it are in ``model_shape`` (None: the same as ``shape``).
     """
 
     tid: int
@@ -83,6 +87,7 @@ class FullTensor:
     version: int = 0
     base: FullTensor | None = None
     value: torch.Tensor | None = attrs.field(default=None, repr=False)
+    model_shape: tuple[int, ...] | None = None
 
     @property
     def ndim(self) -> int:

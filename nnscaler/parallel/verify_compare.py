@@ -233,7 +233,7 @@ class Compare:
         order = {name: k for k, name in enumerate(readers)}
         for rank, meta, name, grad in sorted(found, key=lambda f: (order[f[2]], f[0])):
             op, full = readers[name]
-            want = self.ref_params[name][meta.slicers] * times
+            want = meta.take(self.ref_params[name]) * times
             piece = attrs.evolve(full.whole(), indmap=meta.index)
             self.parameter_gradients += 1
             if not self._close(_reshape(grad, piece.shape), want):

@@ -57,9 +57,11 @@ def expert_transform(op: Op, num: int, policy: str) -> Transform:
 
 def ffn_transform(op: Op, num: int, policy: str) -> Transform:
     """The tensor-parallel split of ``op`` in ``num`` parts: every expert's intermediate
-    units in slices (``down_proj`` split by its last dim, ``gate_up_proj`` sliced by each
-    part, the parts' results summed). A layer whose intermediate size ``num`` does not
-    divide raises `PolicyError` naming it."""
+    units in slices (``down_proj`` split by its last dim, ``gate_up_proj`` held as
+    ``[E, 2, F, H]`` by the tracer split by ``F``, each part's gate and up rows; the parts'
+    results summed). A ``gate_up_proj`` that other ops read too stays fused and whole on
+    each part, which slices it (`nnscaler.trace.moe_weights`). A layer whose intermediate
+    size ``num`` does not divide raises `PolicyError` naming it."""
     ffn = op.anno.input_shapes[4][2]
     if ffn % num:
         raise PolicyError(

@@ -61,7 +61,11 @@ class AttrMeta:
       of the piece; ``value``: ``(part, nparts)``, the piece holds one of ``nparts``
       summands (``(0, 1)``: the value itself);
     - ``holders``: the runtime ranks that hold the same piece (their gradients sum to its
-      gradient); ``persistent``: for buffers, whether it is in the state dict.
+      gradient); ``persistent``: for buffers, whether it is in the state dict;
+    - ``model_shape``: for a parameter the plan holds reshaped (an expert ``gate_up_proj
+      [E, 2F, H]`` as ``[E, 2, F, H]``, see `nnscaler.trace.moe_weights`), the module's
+      own shape, in which checkpoints hold it (None: ``shape``); ``index`` is a box of
+      ``shape``.
     """
 
     attr: str
@@ -74,6 +78,13 @@ class AttrMeta:
     dtype: torch.dtype
     holders: tuple[int, ...] = ()
     persistent: bool = True
+    model_shape: tuple[int, ...] | None = None
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full``, the whole tensor in ``shape`` or in ``model_shape``."""
+        if self.model_shape is not None and tuple(full.shape) == self.model_shape:
+            full = full.reshape(self.shape)
+        return full[self.slicers]
 
     @property
     def slicers(self) -> tuple[slice, ...]:
@@ -161,22 +172,27 @@ class ParallelModule(torch.nn.Module):
 
     def _meta(self, kind: str, attr: str, name: str, names: Sequence[str] | None,
               shape: Sequence[int], index: Sequence[tuple[int, int]], value: tuple[int, int],
-              dtype: torch.dtype, holders: Sequence[int], persistent: bool) -> None:
+              dtype: torch.dtype, holders: Sequence[int], persistent: bool,
+              model_shape: Sequence[int] | None = None) -> None:
         self.fullmap[attr] = AttrMeta(
             attr=attr, kind=kind, orig_name=name, names=tuple(names or (name,)),
             shape=tuple(shape), index=tuple((int(a), int(b)) for a, b in index),
             value=(int(value[0]), int(value[1])), dtype=dtype,
             holders=tuple(sorted(int(r) for r in holders)), persistent=persistent,
+            model_shape=None if model_shape is None else tuple(int(n) for n in model_shape),
         )
 
     def add_param(self, attr: str, name: str, *, names: Sequence[str] | None = None,
                   shape: Sequence[int], index: Sequence[tuple[int, int]],
                   value: tuple[int, int] = (0, 1), dtype: torch.dtype,
-                  holders: Sequence[int], requires_grad: bool = True) -> None:
-        """Register this rank's piece of the parameter ``name`` as ``self.<attr>``."""
+                  holders: Sequence[int], requires_grad: bool = True,
+                  model_shape: Sequence[int] | None = None) -> None:
+        """Register this rank's piece of the parameter ``name`` as ``self.<attr>``
+        (``model_shape``: the module's shape of a parameter held reshaped)."""
         piece = torch.nn.Parameter(self._piece(shape, index, dtype), requires_grad=requires_grad)
         self.register_parameter(attr, piece)
-        self._meta("parameter", attr, name, names, shape, index, value, dtype, holders, True)
+        self._meta("parameter", attr, name, names, shape, index, value, dtype, holders, True,
+                   model_shape)
 
     def add_buffer(self, attr: str, name: str, *, names: Sequence[str] | None = None,
                    shape: Sequence[int], index: Sequence[tuple[int, int]],
@@ -274,14 +290,15 @@ class ParallelModule(torch.nn.Module):
                         f"init_module_params=False)) and load a checkpoint "
                         f"(nnscaler.load_merged_state_dicts or load_state_dict)"
                     )
-                if tuple(full.shape) != meta.shape:
+                if tuple(full.shape) not in (meta.shape, meta.model_shape):
                     raise ParallelModuleError(
                         f"{path}: {meta.orig_name!r} has shape {tuple(full.shape)}, but the "
-                        f"generated code expects {meta.shape}; generate again"
+                        f"generated code expects {meta.model_shape or meta.shape}; generate "
+                        f"again"
                     )
                 target = getattr(self, attr)
                 if meta.value[0] == 0:
-                    target.copy_(full[meta.slicers])
+                    target.copy_(meta.take(full))
                 else:
                     target.zero_()
 

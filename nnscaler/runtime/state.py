@@ -136,6 +136,8 @@ def attr_record(attr: str, meta: AttrMeta) -> dict[str, Any]:
         "dtype": dtype_name(meta.dtype),
         "holders": list(meta.holders),
         "persistent": bool(meta.persistent),
+        # a parameter held reshaped: checkpoints hold it in the module's own shape
+        **({} if meta.model_shape is None else {"model_shape": list(meta.model_shape)}),
     }
 
 
@@ -269,7 +271,7 @@ def _build_manifest(pm: ParallelModule) -> _PlanInfo:
         if meta.kind == "constant":
             continue
         entry = by_name.get(meta.orig_name)
-        if entry is None or tuple(entry["shape"]) != tuple(meta.shape):
+        if entry is None or tuple(entry["shape"]) != tuple(meta.model_shape or meta.shape):
             return _PlanInfo(module_class, None)
     return _PlanInfo(module_class, entries)
 

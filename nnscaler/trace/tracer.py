@@ -68,6 +68,7 @@ from nnscaler.trace.errors import (
 from nnscaler.trace.forward_args import check_forward_args
 from nnscaler.trace.module_state import SavedState
 from nnscaler.trace.moe import expert_layers
+from nnscaler.trace.moe_weights import view_expert_weights
 from nnscaler.trace.source import code_line, model_frame
 
 STRATEGIES = ("real", "meta")
@@ -509,6 +510,7 @@ class Tracer:
                 f"(p.add_(...), p.copy_(...), p[i] = v) that the tracer sees"
             )
         self.graph.outputs = self._to_ir(out)
+        view_expert_weights(self.graph)  # gate_up [E, 2F, H] as [E, 2, F, H]: splittable by F
         self.graph.validate()
         return self.graph
 

@@ -97,7 +97,7 @@ def _check_pieces(pm: nn.Module, reference: dict[str, torch.Tensor], prefix: str
         full = reference[prefix + meta.orig_name]
         mine = getattr(pm, attr).detach()
         if meta.value == (0, 1):
-            torch.testing.assert_close(mine, full[meta.slicers], rtol=rtol, atol=atol,
+            torch.testing.assert_close(mine, meta.take(full), rtol=rtol, atol=atol,
                                        msg=lambda m, n=meta.orig_name: f"{n}: {m}")
             checked += 1
     return checked

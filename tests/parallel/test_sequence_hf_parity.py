@@ -84,7 +84,7 @@ def _check_grads(pm, ref: dict, step: int) -> int:
         if meta.kind != "parameter" or meta.value != (0, 1):
             continue
         torch.testing.assert_close(
-            getattr(pm, attr).grad, ref[meta.orig_name][meta.slicers], rtol=1e-5, atol=1e-6,
+            getattr(pm, attr).grad, meta.take(ref[meta.orig_name]), rtol=1e-5, atol=1e-6,
             msg=lambda m, n=meta.orig_name: f"step {step} grad of {n}: {m}")
         checked += 1
     return checked

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: s
             grad = getattr(pm, attr).grad
             want = ref["grads"].get(meta.orig_name)
             if want is not None:
-                torch.testing.assert_close(grad, want[meta.slicers], **TOL,
+                torch.testing.assert_close(grad, meta.take(want), **TOL,
                                            msg=lambda m, n=meta.orig_name: f"grad {n}: {m}")
         opt.step()
         opt.zero_grad()
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, root: s
         if meta.kind != "parameter":
             continue
         mine = getattr(pm, attr).detach()
-        torch.testing.assert_close(mine, ref["params"][meta.orig_name][meta.slicers], **TOL,
+        torch.testing.assert_close(mine, meta.take(ref["params"][meta.orig_name]), **TOL,
                                    msg=lambda m, n=meta.orig_name: f"weight {n}: {m}")
         full = ref["params"][meta.orig_name]
         if full.dim() == 3:  # an expert stack
@@ -147,7 +147,7 @@ def _zero_worker(rank: int, world: int, kind: str, model_kw: dict, plan: int, st
             for attr, meta in pm.fullmap.items():
                 want = ref["grads"].get(meta.orig_name)
                 if meta.kind == "parameter" and want is not None:
-                    torch.testing.assert_close(grads[attr], want[meta.slicers], **TOL,
+                    torch.testing.assert_close(grads[attr], meta.take(want), **TOL,
                                                msg=lambda m, n=meta.orig_name: f"grad {n}: {m}")
         opt.step()
     torch.testing.assert_close(torch.tensor(losses),

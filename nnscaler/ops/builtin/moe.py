@@ -12,13 +12,18 @@ Three splits; the first and the last share the token dim ``t``:
 
 - **data parallel** (the first rule): every part holds every expert and runs its own tokens;
 - **tensor parallel inside the experts** (`ffn_parallel_moe`, the rule for a split of
-  ``down_proj`` by its intermediate dim ``f``): every part runs every token through every
-  chosen expert, on slice ``p`` of the expert's ``F`` intermediate units: gate rows and up
-  rows ``[p F/n, (p+1) F/n)`` of ``gate_up_proj`` (two blocks, one in each half, so
-  ``act(gate) * up`` pairs the right rows) and the same columns of ``down_proj``; the
-  parts' outputs sum to the layer's (value-partial). ``gate_up_proj`` stays whole on every
-  part, which slices it: a layout holds one block of a tensor per device, and a part's
-  gate and up rows are two;
+  the experts' intermediate dim ``f``): every part runs every token through every chosen
+  expert, on slice ``p`` of the expert's ``F`` intermediate units: gate rows and up rows
+  ``[p F/n, (p+1) F/n)`` of ``gate_up_proj`` and the same columns of ``down_proj``; the
+  parts' outputs sum to the layer's (value-partial). A part's gate and up rows are two
+  blocks of the fused dim ``2F``, and a layout holds one block per dim, so the op also
+  takes ``gate_up_proj`` *viewed* as ``[E, 2, F, H]`` (`gate_up_view`): there ``f`` is a
+  dim of its own, and slice ``p`` of it is one block holding exactly the part's gate rows
+  (index 0 of the ``2``) and up rows (index 1). The tracer hands the op that view of an
+  expert weight only the op reads (`nnscaler.trace.moe`), so the weight is split in
+  memory; checkpoints keep the model's ``[E, 2F, H]`` (a row-major reshape, exact both
+  ways). Given the fused ``[E, 2F, H]`` instead (a weight something else reads too), the
+  split keeps it whole on every part, which slices it;
 - **expert parallel** (`expert_parallel_moe`, a collective part op): part ``p`` holds the
   ``E / n`` experts ``[p E/n, (p+1) E/n)`` and its slice of the tokens. It counts its
   token-expert pairs per expert, all-gathers the counts (the sizes), sends every pair's
@@ -60,6 +65,8 @@ __all__ = [
     "RoutingRecord",
     "expert_parallel_moe",
     "ffn_parallel_moe",
+    "fused_gate_up",
+    "gate_up_view",
     "moe_experts",
     "record_routing",
     "routed_experts",
@@ -198,6 +205,25 @@ def routed_experts(
         capacity_factor=capacity_factor, drop_tokens=drop_tokens, layer=layer)
 
 
+def gate_up_view(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """``gate_up_proj [E, 2F, H]`` viewed as ``[E, 2, F, H]`` (index 0: the gate rows, 1: the
+    up rows), the form in which the intermediate dim ``F`` is one dim of its own."""
+    e, two_f, h = gate_up_proj.shape
+    return gate_up_proj.view(e, 2, two_f // 2, h)
+
+
+def fused_gate_up(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """The op's ``gate_up_proj`` as ``[E, 2F, H]`` (gate rows, then up rows), given fused or
+    as `gate_up_view`'s ``[E, 2, F, H]`` (also a part's ``[E, 2, F/n, H]``)."""
+    if gate_up_proj.dim() != 4:
+        return gate_up_proj
+    e, two, f, h = gate_up_proj.shape
+    if two != 2:
+        raise MoEError(f"moe_experts: a 4-d gate_up_proj is [E, 2, F, H] (gate rows, then up "
+                       f"rows, each F); got shape {list(gate_up_proj.shape)}")
+    return gate_up_proj.reshape(e, 2 * f, h)
+
+
 def _check_call(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation: str, held: list[int], group: PartGroup, layer: str) -> None:
     where = f"MoE layer {layer!r}" if layer else "moe_experts"
@@ -293,6 +319,7 @@ def expert_parallel_moe(
     the parts before it (default: as many on every part), and its own tokens; it returns
     its tokens' results."""
     n, index = group.size, group.index
+    gate_up_proj = fused_gate_up(gate_up_proj)
     local = gate_up_proj.size(0)
     held = [local] * n if expert_counts is None else [int(c) for c in expert_counts]
     _check_call(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation,
@@ -348,10 +375,20 @@ def ffn_parallel_moe(
     ffn_part: tuple[int, int] = (0, 1),
 ):
     """`moe_experts` on part ``p`` of ``n`` (``ffn_part``) of every expert's intermediate
-    units: ``gate_up_proj [E, 2F, H]`` whole (this part takes its gate rows and up rows),
-    ``down_proj [E, H, F/n]`` this part's columns. Returns this part's share of the result;
-    the ``n`` parts' shares sum to it."""
+    units: ``down_proj [E, H, F/n]`` this part's columns, and ``gate_up_proj`` either this
+    part's ``[E, 2, F/n, H]`` of `gate_up_view` (its gate rows and its up rows, held alone)
+    or the whole fused ``[E, 2F, H]`` (this part takes its rows). Returns this part's share
+    of the result; the ``n`` parts' shares sum to it."""
     part, num = ffn_part
+    if gate_up_proj.dim() == 4:  # already this part's rows: [gate_p; up_p] once fused
+        gate_up = fused_gate_up(gate_up_proj)
+        if gate_up.size(1) != 2 * down_proj.size(2):
+            raise MoEError(f"MoE layer {layer or '?'}: this part's gate_up_proj "
+                           f"{list(gate_up_proj.shape)} and down_proj {list(down_proj.shape)} "
+                           f"hold different slices of the intermediate dim")
+        return expert_parallel_moe(
+            hidden, top_k_index, top_k_weights, gate_up, down_proj, activation=activation,
+            capacity_factor=capacity_factor, drop_tokens=drop_tokens, layer=layer)
     local, two_f = down_proj.size(2), gate_up_proj.size(1)
     if not 0 <= part < num or local * num * 2 != two_f:
         where = f"MoE layer {layer!r}" if layer else "ffn_parallel_moe"
@@ -375,7 +412,8 @@ def moe_anno(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
     the token dim is ``^``: a part alone cannot know the batch's capacity, so only the
     expert-parallel rule (whose parts exchange their counts) splits it."""
     t = "t" if capacity_factor is None else "t^"
-    return f"{t} h^, {t} k^, {t} k^, e^ g^ h^, e^ h^ f^ -> {t} h^"
+    gate_up = "e^ 2 f^ h^" if gate_up_proj.dim() == 4 else "e^ g^ h^"
+    return f"{t} h^, {t} k^, {t} k^, {gate_up}, e^ h^ f^ -> {t} h^"
 
 
 def _ep_modifier(num_experts: int) -> Callable[..., dict]:
@@ -392,7 +430,8 @@ def _ffn_modifier(kwargs: dict, idx: int, dim: int, num: int, part: int) -> dict
 
 def moe_rules(bound: Any) -> list[TransformRule]:
     """Data parallel (experts replicated; not with a capacity), expert parallel, and
-    tensor parallel inside the experts (a split of ``down_proj``'s intermediate dim)."""
+    tensor parallel inside the experts (a split of ``down_proj``'s intermediate dim, and of
+    ``gate_up_proj``'s too when it comes as `gate_up_view`'s ``[E, 2, F, H]``)."""
     experts = bound.input_shapes[3]
     if experts is None:
         return []
@@ -402,7 +441,8 @@ def moe_rules(bound: Any) -> list[TransformRule]:
         TransformRule(inputs=(s, s, s, r, r), outputs=(s,))]
     rules.append(TransformRule(inputs=(s, s, s, s, s), outputs=(s,),
                                modifier=_ep_modifier(experts[0]), part_op=EXPERT_PARALLEL))
-    rules.append(TransformRule(inputs=(r, r, r, r, Split(2)), outputs=(ValuePartial(),),
+    gate_up = Split(2) if len(experts) == 4 else r
+    rules.append(TransformRule(inputs=(r, r, r, gate_up, Split(2)), outputs=(ValuePartial(),),
                                modifier=_ffn_modifier, part_op=FFN_PARALLEL))
     return rules
 
@@ -426,6 +466,8 @@ def gen_moe(rng: random.Random) -> tuple[tuple, dict]:
             weights / weights.sum(-1, keepdim=True),
             torch.randn(n_experts, 2 * f, h, generator=g, dtype=torch.float64),
             torch.randn(n_experts, h, f, generator=g, dtype=torch.float64))
+    if rng.random() < 0.5:  # the tracer's view of an expert weight only the op reads
+        args = (*args[:3], gate_up_view(args[3]), args[4])
     kwargs: dict[str, Any] = {"activation": rng.choice(("silu", "gelu"))}
     if rng.random() < 0.3:
         kwargs.update(capacity_factor=1.0, drop_tokens=True)

@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, cases: list[tuple], savedir: str) -> list[str
             if meta.kind != "parameter" or meta.value != (0, 1):
                 continue
             torch.testing.assert_close(
-                getattr(pm, attr).detach(), ref_params[meta.orig_name][meta.slicers],
+                getattr(pm, attr).detach(), meta.take(ref_params[meta.orig_name]),
                 rtol=1e-5, atol=1e-6, msg=lambda m, c=case, n=meta.orig_name: f"{c} {n}: {m}")
             checked += 1
         if checked == 0:

@@ -104,8 +104,8 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int | str, pas_config: d
                 if want is None:
                     continue
                 torch.testing.assert_close(
-                    grad if grad is not None else torch.zeros_like(want[meta.slicers]),
-                    want[meta.slicers], rtol=1e-5, atol=1e-6,
+                    grad if grad is not None else torch.zeros_like(meta.take(want)),
+                    meta.take(want), rtol=1e-5, atol=1e-6,
                     msg=lambda m, n=meta.orig_name, s=s: f"step {s} gradient of {n}: {m}")
         popt.step()
         popt.zero_grad()
@@ -116,7 +116,7 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int | str, pas_config: d
     checked = 0
     for attr, meta in pieces:
         full = state[meta.orig_name]
-        torch.testing.assert_close(getattr(pm, attr).detach(), full[meta.slicers], rtol=1e-5,
+        torch.testing.assert_close(getattr(pm, attr).detach(), meta.take(full), rtol=1e-5,
                                    atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
         checked += 1
     return {"checked": checked, "plan_ngpus": plan_ngpus}

@@ -180,7 +180,7 @@ def _train(rank: int, world: int, limit_gb: float, profile_dir: str, gen: str,
         for attr, meta in pm.fullmap.items():
             if meta.kind == "parameter":
                 torch.testing.assert_close(getattr(pm, attr).detach(),
-                                           state[meta.orig_name][meta.slicers], rtol=1e-5,
+                                           meta.take(state[meta.orig_name]), rtol=1e-5,
                                            atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
                 checked += 1
     out = {"checked": checked, "peaks": peaks, "stage": pm.reducers[0].stage}

@@ -147,7 +147,7 @@ def parity_worker(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
             if meta.kind != "parameter" or meta.value != (0, 1):
                 continue
             full = ref_params[meta.orig_name]
-            torch.testing.assert_close(getattr(pm, attr).detach(), full[meta.slicers],
+            torch.testing.assert_close(getattr(pm, attr).detach(), meta.take(full),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m, c=case_id, n=meta.orig_name: f"{c} {n}: {m}")
             checked += 1

@@ -52,7 +52,7 @@ def _ffn_worker(rank: int, world: int, savedir: str) -> int:
         for attr, meta in pm.fullmap.items():
             if i == 0 and meta.kind == "parameter" and ".experts." in meta.orig_name:
                 torch.testing.assert_close(getattr(pm, attr).grad,
-                                           want[meta.orig_name][meta.slicers], rtol=1e-5,
+                                           meta.take(want[meta.orig_name]), rtol=1e-5,
                                            atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
                 checked += 1
         opt.step()
@@ -62,7 +62,7 @@ def _ffn_worker(rank: int, world: int, savedir: str) -> int:
     for attr, meta in pm.fullmap.items():
         if meta.kind == "parameter":
             torch.testing.assert_close(getattr(pm, attr).detach(),
-                                       ref_params[meta.orig_name][meta.slicers], rtol=1e-5,
+                                       meta.take(ref_params[meta.orig_name]), rtol=1e-5,
                                        atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
     return checked
 
