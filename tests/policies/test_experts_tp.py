@@ -58,10 +58,23 @@ def _reference(kind: str, data: list) -> dict:
                          if p in opt.state}}
 
 
+def safetensors_keys(folder: str) -> list[str]:
+    from safetensors import safe_open
+
+    keys = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                keys += [k for k in f.keys() if not k.endswith("gate_up_proj")
+                         or f.get_slice(k).get_shape()[1] == 2 * 32]  # [E, 2F, H]
+    return keys
+
+
 def _worker(rank: int, world: int, kind: str, tp: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from nnscaler import ComputeConfig, load_merged_state_dicts, merge_state_dicts, parallelize
+    from nnscaler import (ComputeConfig, load_merged_state_dicts, load_pretrained,
+                          load_resharded, merge_state_dicts, parallelize, save_pretrained)
 
     warnings.simplefilter("ignore")
     units = world // tp
@@ -111,6 +124,20 @@ def _worker(rank: int, world: int, kind: str, tp: int, root: str) -> dict:
     load_merged_state_dicts(pm, merged, opt, merged_opt)
     for attr, p in pm.named_parameters():
         assert torch.equal(p, saved[attr]), attr
+    # and so do the ranks' own files (load_resharded) and a Hub-format folder written from
+    # the live module (save_pretrained / load_pretrained): boxes of the model's [E, 2F, H]
+    def reload(load) -> None:
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.zero_()
+        load()
+        for attr, p in pm.named_parameters():
+            assert torch.equal(p, saved[attr]), attr
+
+    reload(lambda: load_resharded(pm, [s for s, _ in every], opt, [o for _, o in every]))
+    save_pretrained(pm, f"{root}/hub")
+    assert sorted(safetensors_keys(f"{root}/hub")) == sorted(ref["state"])
+    reload(lambda: load_pretrained(pm, f"{root}/hub"))
     shapes = {meta.orig_name: meta.sub_shape for meta in pm.fullmap.values()
               if meta.orig_name.endswith("experts.gate_up_proj")}
     return {"expert": expert, "gate_up": shapes}
