@@ -23,9 +23,9 @@ def test_expert_parallel_parity_inside_tp_and_dp(tmp_path):
 
 
 def _ffn_worker(rank: int, world: int, savedir: str) -> int:
-    """tp 2 inside the experts: the first step's gradients (down_proj's halves, the whole
-    gate_up_proj summed over the two devices), then the losses and weights after two
-    steps, against one process."""
+    """tp 2 inside the experts: the first step's gradients (the halves of down_proj and of
+    gate_up_proj, each half its gate rows and its up rows), then the losses and weights
+    after two steps, against one process."""
     import warnings
 
     import torch
