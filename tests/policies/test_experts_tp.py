@@ -73,8 +73,15 @@ def safetensors_keys(folder: str) -> list[str]:
 def _worker(rank: int, world: int, kind: str, tp: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from nnscaler import (ComputeConfig, load_merged_state_dicts, load_pretrained,
-                          load_resharded, merge_state_dicts, parallelize, save_pretrained)
+    from nnscaler import (
+        ComputeConfig,
+        load_merged_state_dicts,
+        load_pretrained,
+        load_resharded,
+        merge_state_dicts,
+        parallelize,
+        save_pretrained,
+    )
 
     warnings.simplefilter("ignore")
     units = world // tp
