@@ -16,6 +16,7 @@ from nnscaler.ops.builtin.moe import (
     MoEError,
     expert_parallel_moe,
     ffn_parallel_moe,
+    gate_up_view,
     moe_anno,
     moe_experts,
     moe_rules,
@@ -220,6 +221,37 @@ def test_ffn_parallel_parts_sum_to_the_whole_op(n, k):
         torch.testing.assert_close(a, b, **TOL)
     with pytest.raises(MoEError, match=r"ffn_part=\(0, 4\).*does not slice gate_up_proj"):
         ffn_parallel_moe(hidden, index, weights, gate_up, downs[0], ffn_part=(0, 4))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ffn_parts_of_the_gate_up_view_hold_their_rows_alone(n):
+    """gate_up_proj as [E, 2, F, H] (the tracer's view): part p holds block p of F, its gate
+    rows and its up rows, and nothing else; the parts sum to the whole op, and each part's
+    gradient is the whole op's gradient of its rows (no sum over the parts)."""
+    hidden, index, weights, gate_up, down = _inputs(2, "some")
+    whole = [x.clone().requires_grad_(True) for x in (hidden, weights, gate_up, down)]
+    want = moe_experts(whole[0], index, *whole[1:])
+    want_grads = _grads(want, whole)
+    view = gate_up_view(gate_up)
+    assert torch.equal(view[:, 0], gate_up[:, :F_]) and torch.equal(view[:, 1], gate_up[:, F_:])
+    torch.testing.assert_close(moe_experts(hidden, index, weights, view, down), want, **TOL)
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weights, view, down)]
+    gate_ups = torch.tensor_split(leaves[2], n, dim=2)
+    downs = torch.tensor_split(leaves[3], n, dim=2)
+    got = sum(ffn_parallel_moe(leaves[0], index, leaves[1], gate_ups[p], downs[p],
+                               ffn_part=(p, n)) for p in range(n))
+    torch.testing.assert_close(got, want, **TOL)
+    got_grads = _grads(got, leaves)
+    torch.testing.assert_close(got_grads[2], gate_up_view(want_grads[2]), **TOL)
+    # the annotation names F as a dim of its own, split with down_proj's
+    args = [hidden, index, weights, view, down]
+    bound = bind(parse(moe_anno(*args)), [tuple(x.shape) for x in args])
+    ffn = [t for t in bound.transform_space(n, rules=moe_rules(bound)) if t.part_op == FFN_PARALLEL]
+    assert [str(p) for p in ffn[0].inputs] == ["R", "R", "R", "S(2)", "S(2)"]
+    with pytest.raises(MoEError, match=r"hold different slices of the intermediate dim"):
+        ffn_parallel_moe(hidden, index, weights, gate_ups[0], down, ffn_part=(0, n))
+    with pytest.raises(MoEError, match=r"a 4-d gate_up_proj is \[E, 2, F, H\]"):
+        moe_experts(hidden, index, weights, gate_up.view(E, 3, 4, H), down)
 
 
 def test_meta_tensors_give_the_shape_and_the_collectives():
