@@ -4,8 +4,9 @@ first-step gradients, weights after two SGD steps with momentum, rtol 1e-5) on t
 Hugging Face Mixtral and Qwen2-MoE with their load-balancing loss: tp 2 on 2 processes,
 and tp 2 inside data parallel 2 on 4 (slow). Each rank holds 1/tp of every expert weight;
 ``merge_state_dicts`` of the ranks' state dicts (and of their optimizer states) gives the
-one-process state dict, expert weights in the model's ``[E, 2F, H]``; a merged state dict
-loads back into the plan."""
+one-process state dict, expert weights in the model's ``[E, 2F, H]``; a merged state dict,
+the ranks' own files (``load_resharded``) and a Hub-format folder written from the module
+load back into the plan; with ZeRO 1 and 3 inside data parallel (4 processes, slow)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,48 @@ def test_tensor_parallel_inside_the_experts_parity(tmp_path, world):
         assert res["expert"]["mine"] * tp == res["expert"]["full"] > 0
         # [E, 2, F/tp, H]: this rank's gate rows and up rows (4 experts, ffn 32, hidden 32)
         assert set(res["gate_up"].values()) == {(4, 2, 32 // tp, 32)}
+
+
+def _zero_worker(rank: int, world: int, stages: tuple[int, ...], root: str) -> list[int]:
+    """tp 2 inside the experts inside data parallel 2 with ZeRO: each expert piece reduced
+    (and sharded) over the two ranks that hold it; losses, weights and the merged state
+    dict against one process."""
+    import torch.distributed as dist
+    from parallel.common import check_pieces
+
+    from nnscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
+
+    warnings.simplefilter("ignore")
+    data = batches(2, 2)
+    ref = _reference("mixtral", data)
+    checked = []
+    for stage in stages:
+        cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=world, use_end2end=True,
+                            zero_stage=stage)
+        pm = parallelize(build("mixtral"), {"batch": data[0][0]}, ffn_tp, cfg,
+                         gen_savedir=f"{root}/{stage}")
+        opt = build_optimizer(pm, torch.optim.SGD, **SGD)
+        unit, losses = rank // 2, []
+        for step in data:
+            opt.zero_grad()
+            losses += [float(x) for x in pm.train_step([step[unit]])]
+            opt.sync_shard_grad()
+            opt.step()
+        torch.testing.assert_close(torch.tensor(losses),
+                                   torch.tensor(ref["losses"][unit::2]), **TOL)
+        checked.append(check_pieces(pm, ref["state"], rtol=1e-5, atol=1e-6))
+        every: list = [None] * world
+        dist.all_gather_object(every, pm.state_dict())
+        merged, _ = merge_state_dicts(every)
+        for name, value in ref["state"].items():
+            torch.testing.assert_close(merged[name], value, **TOL)
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
+                    reason="slow: set NNSCALER_SLOW_TESTS=1")
+def test_tensor_parallel_inside_the_experts_with_zero(tmp_path):
+    pytest.importorskip("transformers")
+    results = run_distributed(_zero_worker, 4, (1, 3), str(tmp_path), timeout=600)
+    assert all(r == results[0] and min(r) > 0 for r in results)
