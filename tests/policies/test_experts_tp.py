@@ -126,26 +126,27 @@ def _worker(rank: int, world: int, kind: str, tp: int, root: str) -> dict:
         torch.testing.assert_close(momentum[name], value, **TOL)
     # a merged state dict loads back into the plan: every piece, gate_up_proj's included
     saved = {attr: p.detach().clone() for attr, p in pm.named_parameters()}
-    with torch.no_grad():
-        for p in pm.parameters():
-            p.zero_()
-    load_merged_state_dicts(pm, merged, opt, merged_opt)
-    for attr, p in pm.named_parameters():
-        assert torch.equal(p, saved[attr]), attr
-    # and so do the ranks' own files (load_resharded) and a Hub-format folder written from
-    # the live module (save_pretrained / load_pretrained): boxes of the model's [E, 2F, H]
-    def reload(load) -> None:
+    saved_opt = {i: v["momentum_buffer"].clone() for i, v in opt.state_dict()["state"].items()}
+
+    def reload(load, optimizer: bool = True) -> None:
         with torch.no_grad():
             for p in pm.parameters():
                 p.zero_()
+        for v in opt.state.values():
+            v["momentum_buffer"].zero_()
         load()
         for attr, p in pm.named_parameters():
             assert torch.equal(p, saved[attr]), attr
+        for i, v in opt.state_dict()["state"].items():
+            assert torch.equal(v["momentum_buffer"], saved_opt[i]) or not optimizer, i
 
+    reload(lambda: load_merged_state_dicts(pm, merged, opt, merged_opt))
+    # and so do the ranks' own files (load_resharded) and a Hub-format folder written from
+    # the live module (save_pretrained / load_pretrained): boxes of the model's [E, 2F, H]
     reload(lambda: load_resharded(pm, [s for s, _ in every], opt, [o for _, o in every]))
     save_pretrained(pm, f"{root}/hub")
     assert sorted(safetensors_keys(f"{root}/hub")) == sorted(ref["state"])
-    reload(lambda: load_pretrained(pm, f"{root}/hub"))
+    reload(lambda: load_pretrained(pm, f"{root}/hub"), optimizer=False)
     shapes = {meta.orig_name: meta.sub_shape for meta in pm.fullmap.values()
               if meta.orig_name.endswith("experts.gate_up_proj")}
     return {"expert": expert, "gate_up": shapes}
