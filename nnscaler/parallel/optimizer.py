@@ -257,7 +257,7 @@ def _config_for(pms: Sequence[ParallelModule], compute_config: ComputeConfig | N
     if not isinstance(compute_config, ComputeConfig):
         raise TypeError(f"compute_config must be a ComputeConfig or None, got "
                         f"{type(compute_config).__name__}")
-    compute_config = _as_chosen(compute_config, pms, plan_ngpus)
+    compute_config = as_chosen(compute_config, pms, plan_ngpus)
     if (compute_config.plan_ngpus, compute_config.runtime_ngpus) != (plan_ngpus, runtime_ngpus):
         raise OptimizerError(
             f"compute_config has plan_ngpus={compute_config.plan_ngpus}, runtime_ngpus="
@@ -268,7 +268,7 @@ def _config_for(pms: Sequence[ParallelModule], compute_config: ComputeConfig | N
     return compute_config
 
 
-def _as_chosen(config: ComputeConfig, pms: Sequence[ParallelModule], plan_ngpus: int
+def as_chosen(config: ComputeConfig, pms: Sequence[ParallelModule], plan_ngpus: int
                ) -> ComputeConfig:
     """``config`` with what ``parallelize`` chose for its ``'auto'`` fields: the unit
     size and the ZeRO stage the parallel modules were generated with."""

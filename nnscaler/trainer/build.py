@@ -215,12 +215,12 @@ class Builder:
         """After `build_model`: the Trainer's ``compute_config`` with what ``parallelize``
         chose for its ``'auto'`` fields (the unit size, the ZeRO stage), read from the
         parallel modules, and the batch sizes checked against the scale units."""
-        from nnscaler.parallel.optimizer import _as_chosen
+        from nnscaler.parallel.optimizer import as_chosen
         from nnscaler.runtime.module import ParallelModule
 
         t, args = self.trainer, self.trainer.args
         pms = [m for m in t.model.modules() if isinstance(m, ParallelModule)]
-        args.resolve(_as_chosen(args.compute_config, pms, pms[0].plan_ngpus))
+        args.resolve(as_chosen(args.compute_config, pms, pms[0].plan_ngpus))
 
     def compile_model(self) -> None:
         """Generate the code of every rank (``run_mode='compile'``)."""
