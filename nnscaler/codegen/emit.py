@@ -161,7 +161,7 @@ class _Rank:
         inputs = map_leaves(to_code, list(op.inputs))
         kwargs = map_leaves(to_code, dict(op.kwargs))
         if step.part_devices is not None:  # a collective part op talks to its sibling parts
-            kwargs["group"] = Code(f"self.part_group({step.part_devices!r})")
+            kwargs["group"] = Code(f"self.part_group({step.part_devices[op.device]!r})")
         if op.opdef is not None and op.opdef.name == MULTIREF_NAME:
             times = int(op.kwargs.get("times", len(op.outputs)))
             call = CallSource(", ".join([literal(inputs[0])] * times))

@@ -50,8 +50,8 @@ def process_groups(p: Program) -> tuple[list[tuple[int, ...]], list[tuple[int, .
     for unit in range(p.nunits):  # the parts of collective part ops
         offset = unit * p.plan_ngpus
         for step in p.steps:
-            if step.part_devices is not None:
-                add([offset + d for d in step.part_devices])
+            for devices in (step.part_devices or {}).values():
+                add([offset + d for d in devices])
     if p.pipeline is not None or any(
             f.requires_grad for f in p.leaves if f.kind is TensorKind.INPUT):
         # inputs' gradients are summed over the unit; a pipeline's outputs are shared in it

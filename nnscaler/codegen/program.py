@@ -511,20 +511,27 @@ class _Builder:
             leaf.groups.add(here.group)
         return True
 
-    def _part_devices(self, origin: Op, insts: list[Op]) -> tuple[int, ...] | None:
-        """The devices of the parts of a collective part op, in part order; None for
-        any other op."""
+    def _part_devices(self, origin: Op, insts: list[Op]) -> dict[int, tuple[int, ...]] | None:
+        """The devices of the parts each instance of a collective part op talks to, in
+        part order, by the instance's device; None for any other op. The groups of the
+        instances split the instances: one group when the op was split once, several
+        (strided over the unit) when the parts were split or replicated again, or when
+        the op's replicas were each split."""
         if not any(op.opdef is not None and op.opdef.collective for op in insts):
             return None
-        parts = self.g.split_parts(insts[0])
-        if set(parts) != set(insts) or len(parts) != len(insts):
-            raise CodegenError(
-                f"{self.g.describe(origin)} is split into {len(parts)} parts that talk to each "
-                f"other ({insts[0].opdef.name}), but {len(insts)} instances of it run here: "
-                f"each part must run exactly once, on its own device. Fix: partition the op "
-                f"once, into as many parts as devices, and do not replicate the parts"
-            )
-        return tuple(op.device for op in parts)  # type: ignore[misc]
+        groups: dict[int, tuple[int, ...]] = {}
+        for inst in insts:
+            parts = self.g.split_parts(inst)
+            if not set(parts) <= set(insts) or len(set(parts)) != len(parts):
+                raise CodegenError(
+                    f"{self.g.describe(origin)} is split into {len(parts)} parts that talk to "
+                    f"each other ({inst.opdef.name}), but {len(insts)} instances of it run "
+                    f"here and not every part is one of them: each part must run exactly "
+                    f"once, on its own device. Fix: partition the op into as many parts as "
+                    f"devices, and replace every part alike"
+                )
+            groups[inst.device] = tuple(op.device for op in parts)  # type: ignore[misc]
+        return groups
 
     def _check_mutations(self, origin: Op, insts: list[Op], reads: list[Read]) -> None:
         g = self.g

@@ -65,8 +65,9 @@ class OpStep:
     adapters: list[AdapterSpec]
     reads: list[Read]
     no_grad: bool
-    #: a collective part op: the devices of its parts, in part order (its ``group``)
-    part_devices: tuple[int, ...] | None = None
+    #: a collective part op: by device, the devices of the parts its instance there
+    #: talks to, in part order (its ``group``)
+    part_devices: dict[int, tuple[int, ...]] | None = None
 
 
 @attrs.define(eq=False)

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler.anno import AnnotationError, Transform, ValuePartial
 from nnscaler.graph.errors import PartitionError, PlanError, StagingError
-from nnscaler.graph.op_parts import new_instance, op_parts, shapes_str
+from nnscaler.graph.op_parts import new_instance, op_parts, shapes_str, talking_parts
 from nnscaler.ir import FullTensor, Graph, Op, OpPlan, SubTensor
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.registry import active_registry
@@ -166,17 +166,12 @@ class IRGraph(Graph):
     def split_parts(self, op: Op) -> list[Op]:
         """The parts of the split that made the instance ``op`` (``op`` among them), in
         part order; ``[op]`` when ``op`` is not a part of a split. The parts of a
-        collective part op (`OpDef.collective`) are
-        the group it talks to."""
-        at = op
-        while at in self._parent and at not in self._split:  # e.g. rewired by multiref
-            at = self._parent[at][0]
-        if at not in self._split:
-            return [op]
-        parts: list[Op] = []
-        for sibling in self._replaced[self._parent[at][0]]:
-            parts += self.instances(sibling)
-        return parts
+        collective part op (`OpDef.collective`) are the group it talks to; where those
+        parts were partitioned or replicated again, ``op`` talks to the instance at its
+        own position under every other part (a strided group: under tensor x context
+        parallelism, the devices of one head part). Raises `PlanError` where the parts
+        were not replaced alike."""
+        return talking_parts(self, op)
 
     def value_key(self, op: Op, out: int) -> tuple[tuple[tuple[str, int], int], ...]:
         """Which splits made output ``out`` of the instance ``op`` value-partial:
@@ -264,12 +259,6 @@ class IRGraph(Graph):
         if not _is_int(times) or times < 1:
             raise PlanError(f"replicate {self.describe(op)}: times is the number of copies, a "
                             f"positive int; got {times!r}")
-        if op.opdef is not None and op.opdef.collective and times > 1:
-            raise PlanError(
-                f"replicate {self.describe(op)}: it is a part of a split whose parts talk to "
-                f"each other ({op.opdef.name} takes the group of its parts), and each part "
-                f"runs exactly once. Split the op it came from in more parts instead"
-            )
         copies = [new_instance(self, op) for _ in range(times)]
         self._replace(op, copies, [f"replica {i} of {times} of op #{op.oid}"
                                    for i in range(times)])
@@ -315,12 +304,6 @@ class IRGraph(Graph):
                 f"(graph.replicate(op, times=...)), or register an annotation for "
                 f"{op.name} with nnscaler.register_op"
             )
-        if op.opdef.collective:
-            raise PartitionError(
-                f"cannot partition {self.describe(op)}: it is a part of a split whose parts "
-                f"talk to each other ({op.opdef.name} takes the group of its parts), so it "
-                f"cannot be split again. Split the op it came from in more parts instead"
-            )
         anno, given = op.anno, dim
         if dim is not None and 0 <= idx < len(anno.expanded.inputs) and dim < 0:  # from the end
             dim += len(anno.expanded.inputs[idx].dims or ())
@@ -335,6 +318,14 @@ class IRGraph(Graph):
                 f"(input shapes {shapes_str(op.input_tensors())}): {e}\n{fix} "
                 f"(graph.replicate(op, times=...))."
             ) from None
+        if op.opdef.collective and transform.part_op is not None:
+            raise PartitionError(
+                f"cannot partition {self.describe(op)} as {transform}: it is a part of a "
+                f"split whose parts talk to each other ({op.opdef.name}), and this split "
+                f"would make its parts run {transform.part_op} instead. A talking part splits "
+                f"again only along a dim its own annotation leaves free (its instances then "
+                f"talk to the instances at the same position under the other parts); split "
+                f"the op it came from differently, or replicate the part")
         parts = op_parts(self, op, transform)
         self._replace(op, parts, [f"part {p} of {num} of op #{op.oid} ({transform})"
                                   for p in range(num)])

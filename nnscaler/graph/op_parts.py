@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from nnscaler.anno import AnnotationError, Placement, Split, Transform, ValuePartial
-from nnscaler.graph.errors import PartitionError
+from nnscaler.graph.errors import PartitionError, PlanError
 from nnscaler.ir import Op, OpPlan, SubTensor, tensors_in
 
 if TYPE_CHECKING:
@@ -136,3 +136,61 @@ def _bind_part(whole: Any, part_def: Any, inputs: tuple, shapes: list, kwargs: d
     args = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, SubTensor)
             else x for x in inputs]
     return part_def.annotation_for(args, kwargs).bind(shapes, kwargs)
+
+
+def talking_parts(graph: IRGraph, op: Op) -> list[Op]:
+    """The instances that ``op`` talks to, ``op`` among them, in part order: see
+    [`IRGraph.split_parts`][nnscaler.IRGraph.split_parts].
+
+    A part of a split whose parts talk (a collective part op) may itself be partitioned
+    or replicated (a tensor-parallel head part split again along the sequence is the
+    other order); instance ``j`` of part ``p`` then talks to instance ``j`` of every other
+    part, so every part must be replaced alike. ``path`` is the position of ``op`` under
+    its part, outermost last; a level with one instance and no split (a copy, an op
+    rewired by ``multiref``) is not a position."""
+    parent, replaced, split = graph._parent, graph._replaced, graph._split
+    path: list[int] = []
+    at = op
+    while at in parent:
+        up = parent[at][0]
+        if up.opdef is None or not up.opdef.collective:
+            break
+        if len(replaced[up]) > 1 or at in split:
+            path.append(replaced[up].index(at))
+        at = up
+    while at in parent and at not in split:  # e.g. rewired by multiref
+        at = parent[at][0]
+    if at not in split:
+        return [op]
+    siblings = replaced[parent[at][0]]
+    if not path and not (op.opdef is not None and op.opdef.collective):
+        parts: list[Op] = []  # the parts of an ordinary split: whatever they became
+        for sibling in siblings:
+            parts += graph.instances(sibling)
+        return parts
+    return [_follow(graph, sibling, path, op, len(siblings)) for sibling in siblings]
+
+
+def _follow(graph: IRGraph, at: Op, path: list[int], op: Op, num: int) -> Op:
+    """The instance at ``path`` under the part ``at`` (see `talking_parts`)."""
+    replaced, split = graph._replaced, graph._split
+
+    def unlike() -> PlanError:
+        return PlanError(
+            f"{graph.describe(op)} is a part of a split in {num} parts that talk to each "
+            f"other ({op.opdef.name if op.opdef else op.name}), and its instance talks to "
+            f"the instance at the same position under every other part; but op #{at.oid} "
+            f"was replaced otherwise ({len(graph.instances(at))} instances). Partition or "
+            f"replicate every part of the split alike (the same transform, the same count)")
+
+    for index in reversed(path):
+        while at in replaced and len(replaced[at]) == 1 and replaced[at][0] not in split:
+            at = replaced[at][0]
+        kids = replaced.get(at, ())
+        if index >= len(kids):
+            raise unlike()
+        at = kids[index]
+    found = graph.instances(at)
+    if len(found) != 1:
+        raise unlike()
+    return found[0]

@@ -110,7 +110,7 @@ def test_the_parts_form_a_process_group_of_each_unit():
     assert sorted(program.process_groups) == [(0, 1), (0, 2), (1, 3), (2, 3)]
     assert sorted(program.reducer_groups) == [(0, 2), (1, 3)]
     (step,) = [s for s in program.steps if s.part_devices is not None]
-    assert step.part_devices == (1, 0)  # in part order, not device order
+    assert step.part_devices == {0: (1, 0), 1: (1, 0)}  # in part order, not device order
     for rank in range(4):
         src = unwrap(generate_rank(program, rank))
         assert "ADAPTER_" not in src
@@ -149,22 +149,44 @@ def test_class_parallel_loss_parity_on_two_units(tmp_path):
     assert GROUP in line
 
 
-def test_replicas_each_split_in_talking_parts_are_refused():
-    """The loss replicated, then each replica split on its classes: four instances of the
-    op but groups of two parts; generated code cannot tell which part talks to which."""
+def _strided_loss_mlp(*, replicas_first: bool) -> IRGraph:
+    """The loss on a unit of 4 in two groups of two talking parts: ``replicas_first``
+    replicates the loss and splits each replica on its classes (groups (0, 1), (2, 3));
+    otherwise the loss is split on its classes and each part replicated (part ``p``'s
+    replica ``j`` on device ``2 p + j``: groups (0, 2), (1, 3))."""
     graph = fresh("mlp")
     (ce,) = graph.select(name="cross_entropy")
-    device = 0
-    for copy in graph.replicate(ce, 2):
-        for part in graph.partition(copy, idx=0, dim=1, num=2):
-            graph.assign(part, device)
-            device += 1
+    if replicas_first:
+        for j, copy in enumerate(graph.replicate(ce, 2)):
+            for p, part in enumerate(graph.partition(copy, idx=0, dim=1, num=2)):
+                graph.assign(part, 2 * j + p)
+    else:
+        for p, part in enumerate(graph.partition(ce, idx=0, dim=1, num=2)):
+            for j, copy in enumerate(graph.replicate(part, 2)):
+                graph.assign(copy, 2 * p + j)
     replicate_rest(graph, 4)
-    with pytest.raises(CodegenError, match=r"(?s)cross_entropy.*split into 2 parts that talk to "
-                                           r"each other \(.*class_parallel_cross_entropy\), "
-                                           r"but 4 instances of it run here.*each part must run "
-                                           r"exactly once.*Fix: partition the op once"):
-        build_program(graph, plan_ngpus=4, runtime_ngpus=4)
+    return graph
+
+
+@pytest.mark.parametrize("replicas_first", [True, False])
+def test_each_instance_gets_the_group_of_its_own_parts(replicas_first):
+    """Four instances of the loss in two groups: each rank's call names its own group."""
+    graph = _strided_loss_mlp(replicas_first=replicas_first)
+    program = build_program(graph, plan_ngpus=4, runtime_ngpus=4)
+    want = [(0, 1), (0, 1), (2, 3), (2, 3)] if replicas_first else [(0, 2), (1, 3)] * 2
+    assert want[1] != want[2]
+    for rank in range(4):
+        src = unwrap(generate_rank(program, rank))
+        (line,) = _loss_lines(src)
+        assert f"group=self.part_group({want[rank]!r})" in line
+        assert set(want) <= set(_process_groups(src))
+
+
+def test_strided_part_groups_reproduce_the_module(tmp_path):
+    """Parts replicated alike, their replicas talking over devices (0, 2) and (1, 3):
+    the generated ranks reproduce the loss and every gradient."""
+    run_parity(tmp_path, "mlp", _strided_loss_mlp(replicas_first=False), plan_ngpus=4,
+               runtime_ngpus=4)
 
 
 def test_parts_on_one_device_are_refused():
