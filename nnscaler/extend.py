@@ -70,7 +70,7 @@ from nnscaler.policies.experts import (
     is_moe,
     require_moe_layers,
 )
-from nnscaler.policies.sequence import split_sequence
+from nnscaler.policies.sequence import split_sequence, split_sequence_within
 from nnscaler.registry import Registry
 from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
 from nnscaler.runtime.device import current_device, device_type
@@ -132,5 +132,6 @@ __all__ = [
     "require_moe_layers",
     "run_ops",
     "split_sequence",
+    "split_sequence_within",
     "tensors_in",
 ]

@@ -19,6 +19,7 @@ Data parallelism composes through the scale units (``runtime_ngpus = k * plan_ng
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nnscaler.config import ComputeConfig
@@ -28,7 +29,8 @@ from nnscaler.ops.builtin.token_loss import token_split
 from nnscaler.policies.batch_split import _batch_transform, _follow, batch_dims_of_inputs
 from nnscaler.policies.common import PolicyError, as_policy_graph, assign_parts, policy_config
 
-__all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence", "split_sequence"]
+__all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence", "split_sequence",
+           "split_sequence_within"]
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 #: ``pas_config['attention']`` -> the input whose sequence dim the split names
@@ -113,6 +115,36 @@ def split_sequence(g: IRGraph, num: int, *, strategy: str = "ring",
     seq = _sequence_dims(g, sequence_dims, num)
     with token_split():
         return [(op, _split(g, op, seq, num, strategy)) for op in g.nodes()]
+
+
+def split_sequence_within(
+    g: IRGraph, num: int, first: Callable[[Op], list[Op]], *, strategy: str = "ring",
+    sequence_dims: Any = None,
+) -> list[tuple[Op, list[list[Op]]]]:
+    """Tensor x context parallelism inside one scale unit: every op of ``g`` is first
+    replaced by ``first(op)`` (its tensor-parallel parts, or replicas: the caller's
+    split), then each of those instances is split along the sequence in ``num`` parts as
+    `split_sequence` splits an op (or replicated ``num`` times where it carries no
+    sequence or cannot be split along it). Returns each op with, per instance of
+    ``first``, its ``num`` sequence parts, in program order, for the caller to assign:
+    the parts of one instance run on that instance's context-parallel devices.
+
+    Attention split by heads first runs a ring (or Ulysses) among the sequence parts of
+    each head part; a loss split by classes first (its parts talk) is replicated over
+    the sequence parts, each replica talking to the replicas at its position."""
+    if strategy not in ATTENTION_STRATEGIES:
+        raise PolicyError(f"split_sequence_within: strategy is one of "
+                          f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
+    seq = _sequence_dims(g, sequence_dims, num) if num > 1 else {}
+    out: list[tuple[Op, list[list[Op]]]] = []
+    with token_split():
+        for op in g.nodes():
+            insts = first(op)
+            if num == 1:
+                out.append((op, [g.replicate(inst, 1) for inst in insts]))
+                continue
+            out.append((op, [_split(g, inst, seq, num, strategy) for inst in insts]))
+    return out
 
 
 def _split(g: IRGraph, op: Op, seq: dict, n: int, strategy: str) -> list[Op]:

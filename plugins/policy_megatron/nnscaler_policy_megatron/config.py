@@ -18,8 +18,9 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
 - ``context_parallel_size`` splits the sequence of every op of a pipeline stage over
   that many devices (the ``sequence`` policy's split: ring attention, zigzag when
   causal); ``cp_comm_type`` is Megatron's ``'p2p'`` (the ring, the default) or
-  ``'a2a'`` (Ulysses). It needs ``tensor_model_parallel_size=1``: a part of attention's
-  sequence split talks to its peers and cannot be split by heads again.
+  ``'a2a'`` (Ulysses). With ``tensor_model_parallel_size > 1`` each tensor-parallel
+  part (attention's heads first) is split along the sequence over its own
+  context-parallel devices; ``sequence_parallel`` does not combine with it.
 
 `megatron_compute_config` builds the [`ComputeConfig`][nnscaler.ComputeConfig] from the
 Megatron sizes; the policy checks that the compute config it receives agrees with
@@ -158,6 +159,13 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             "over the tensor-parallel devices, so it needs tensor_model_parallel_size > 1; "
             "got tensor_model_parallel_size=1. Drop sequence_parallel or raise the size"
         )
+    if sp and cp > 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': sequence_parallel with context_parallel_size={cp} is not "
+            f"supported: the context-parallel split already holds each device's chunk of "
+            f"the sequence, and splitting that chunk again over the {tp} tensor-parallel "
+            f"devices is not planned. Drop sequence_parallel (the ops between blocks then "
+            f"run on the context-parallel chunk), or set context_parallel_size=1")
     ep = _int(cfg, "expert_model_parallel_size", 1) or 1
     if ep not in (1, tp):
         raise MegatronConfigError(
@@ -165,26 +173,24 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             f"tensor-parallel devices, so it is 1 or tensor_model_parallel_size={tp}; got "
             f"{ep}. Set expert_model_parallel_size={tp} (or tensor_model_parallel_size="
             f"{ep})")
+    if ep > 1 and cp > 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': expert_model_parallel_size={ep} with context_parallel_size="
+            f"{cp} is not planned (the experts' all-to-all has not been checked on sequence "
+            f"chunks). Set expert_model_parallel_size=1 (each expert is then split by its "
+            f"intermediate units over the tensor-parallel devices), or context_parallel_size=1")
     return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
                           sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
                           ep=ep, cp=cp, cp_strategy=cp_strategy)
 
 
 def _cp_strategy(cfg: Mapping[str, Any], tp: int, cp: int) -> str:
-    """The attention strategy of ``cp_comm_type``; context parallelism with tensor
-    parallelism is refused."""
+    """The attention strategy of ``cp_comm_type``."""
     comm = cfg.get("cp_comm_type", "p2p")
     if comm not in CP_COMM_TYPES:
         raise MegatronConfigError(
             f"policy 'megatron': cp_comm_type is one of {sorted(CP_COMM_TYPES)} ('p2p': "
             f"ring attention, zigzag when causal; 'a2a': Ulysses), got {comm!r}")
-    if cp > 1 and tp > 1:
-        raise MegatronConfigError(
-            f"policy 'megatron': context_parallel_size={cp} with tensor_model_parallel_size="
-            f"{tp} is not supported: attention's sequence split runs parts that exchange "
-            f"keys and values with each other, and such a part cannot be split by heads "
-            f"again, so the two cannot share an attention. Set tensor_model_parallel_size=1 "
-            f"(context x pipeline x data parallelism), or context_parallel_size=1")
     return CP_COMM_TYPES[comm]
 
 

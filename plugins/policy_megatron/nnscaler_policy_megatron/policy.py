@@ -51,6 +51,7 @@ from nnscaler.extend import (
     is_moe,
     require_moe_layers,
     split_sequence,
+    split_sequence_within,
 )
 from nnscaler_policy_megatron.config import MegatronConfig, MegatronConfigError, read_config
 from nnscaler_policy_megatron.structure import Region, find_regions, track_sequence
@@ -60,6 +61,7 @@ __all__ = ["MegatronPlan", "layer_of", "megatron", "plan"]
 logger = logging.getLogger("nnscaler_policy_megatron")
 
 _INTERLEAVED = "1f1b_interleaved"
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
 
 
 def layer_of(op: Op) -> str | None:
@@ -162,7 +164,7 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
     result = MegatronPlan(cfg)
     if cfg.pp > 1:
         _stage(g, cfg, compute_config, result)
-    if cfg.cp > 1:
+    if cfg.cp > 1 and cfg.tp == 1:
         _split_context(g, cfg, compute_config, result)
         g.check(cfg.plan_ngpus)
         return g, result
@@ -178,31 +180,14 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
         _, seq_along = track_sequence(g, tp)
     if cfg.ep > 1:
         require_moe_layers(ops, "megatron")
-    for op in ops:
-        if cfg.ep > 1 and is_moe(op):
-            t = expert_transform(op, cfg.ep, "megatron")
-            parts = g.partition(op, idx=t.idx, dim=t.dim, num=cfg.ep)
-            result.expert_split.append(op)
-        elif tp > 1 and is_moe(op):
-            t = ffn_transform(op, tp, "megatron")
-            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
-            result.ffn_split.append(op)
-        elif op in choices:
-            t = choices[op]
-            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
-        elif op in seq_along:
-            t = seq_along[op]
-            parts = g.partition(op, idx=t.idx, dim=t.dim, num=tp)
-            result.sequence_split.append(op)
-        else:
-            parts = g.replicate(op, tp)
-            result.replicated.append(op)
-            if tp > 1 and any(x.full.is_leaf and x.full.is_param and x.full.ndim == 2
-                              for x in op.input_tensors()):
-                result.unplaced.append(op)
-        base = ((op.stage or 0) % cfg.pp) * tp
-        for k, part in enumerate(parts):
-            g.assign(part, base + k)
+    if cfg.cp > 1:
+        _split_tensor_context(g, cfg, compute_config, result, choices)
+    else:
+        for op in ops:
+            parts = _tensor_parts(g, op, cfg, choices, seq_along, result)
+            base = ((op.stage or 0) % cfg.pp) * tp
+            for k, part in enumerate(parts):
+                g.assign(part, base + k)
     for op in result.unplaced:
         logger.info("megatron: op #%d %s in %s (%s) stays replicated on the %d "
                     "tensor-parallel devices: no column or row split of it closes a region",
@@ -214,6 +199,79 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
                         region.seed.name, region.seed.module_path, full.name)
     g.check(cfg.plan_ngpus)
     return g, result
+
+
+def _tensor_parts(g: IRGraph, op: Op, cfg: MegatronConfig, choices: dict[Op, Any],
+                  seq_along: dict[Op, Any], result: MegatronPlan) -> list[Op]:
+    """``op`` split (or replicated) over the ``tp`` devices of its pipeline rank."""
+    tp = cfg.tp
+    if cfg.ep > 1 and is_moe(op):
+        t = expert_transform(op, cfg.ep, "megatron")
+        result.expert_split.append(op)
+        return g.partition(op, idx=t.idx, dim=t.dim, num=cfg.ep)
+    if tp > 1 and is_moe(op):
+        t = ffn_transform(op, tp, "megatron")
+        result.ffn_split.append(op)
+        return g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+    if op in choices:
+        t = choices[op]
+        return g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+    if op in seq_along:
+        t = seq_along[op]
+        result.sequence_split.append(op)
+        return g.partition(op, idx=t.idx, dim=t.dim, num=tp)
+    result.replicated.append(op)
+    if tp > 1 and any(x.full.is_leaf and x.full.is_param and x.full.ndim == 2
+                      for x in op.input_tensors()):
+        result.unplaced.append(op)
+    return g.replicate(op, tp)
+
+
+def _split_tensor_context(g: IRGraph, cfg: MegatronConfig, compute_config: ComputeConfig,
+                          plan: MegatronPlan, choices: dict[Op, Any]) -> None:
+    """Tensor x context parallelism in one pipeline rank: every op is first split over
+    the ``tp`` devices (attention by heads), then each tensor-parallel part along the
+    sequence over its ``cp`` devices. Device ``base + c * tp + t`` holds tensor part
+    ``t`` of sequence chunk ``c`` (Megatron's order, tensor ranks fastest), so the ring
+    of head part ``t`` runs over the strided devices ``base + t, base + tp + t, ...``."""
+    _check_attention(g, cfg, choices)
+    dims = compute_config.pas_config.get("sequence_dims")
+    split = split_sequence_within(
+        g, cfg.cp, lambda op: _tensor_parts(g, op, cfg, choices, {}, plan),
+        strategy=cfg.cp_strategy, sequence_dims=dims)
+    for op, per_part in split:
+        base = ((op.stage or 0) % cfg.pp) * cfg.tp * cfg.cp
+        plan.sequence_split.append(op)
+        for t, parts in enumerate(per_part):
+            for c, part in enumerate(parts):
+                g.assign(part, base + c * cfg.tp + t)
+
+
+def _check_attention(g: IRGraph, cfg: MegatronConfig, choices: dict[Op, Any]) -> None:
+    """Under tensor x context parallelism every self-attention splits by heads over the
+    ``tp`` devices (a replicated attention would run the sequence split ``tp`` times
+    over); Ulysses then needs each part's heads to divide by ``cp``."""
+    for op in g.nodes():
+        if op.name != SDPA or len(op.inputs) < 3:
+            continue
+        heads = [x.shape[-3] for x in op.input_tensors()[:3] if x.ndim >= 3]
+        where = f"op #{op.oid} {op.name} in {op.module_path or '<root>'} ({op.short_source})"
+        if op not in choices:
+            raise MegatronConfigError(
+                f"policy 'megatron': tensor_model_parallel_size={cfg.tp} with "
+                f"context_parallel_size={cfg.cp} splits every attention by heads first, but "
+                f"{where} has {heads[:1] or 'no'} query and {heads[1:2] or 'no'} key/value "
+                f"heads, which {cfg.tp} does not divide (or its projections could not be "
+                f"split by whole heads). Set tensor_model_parallel_size to a divisor of the "
+                f"key/value heads, or context_parallel_size=1")
+        if cfg.cp_strategy == "ulysses" and any((h // cfg.tp) % cfg.cp for h in heads):
+            raise MegatronConfigError(
+                f"policy 'megatron': cp_comm_type='a2a' (Ulysses) gives each of the "
+                f"context_parallel_size={cfg.cp} devices whole heads of its tensor-parallel "
+                f"part, but {where} has {heads} query/key/value heads, "
+                f"{[h // cfg.tp for h in heads]} per part of tensor_model_parallel_size="
+                f"{cfg.tp}, which {cfg.cp} does not divide. Use cp_comm_type='p2p' (ring "
+                f"attention), or sizes with tp * cp dividing the key/value heads")
 
 
 def _split_context(g: IRGraph, cfg: MegatronConfig, compute_config: ComputeConfig,

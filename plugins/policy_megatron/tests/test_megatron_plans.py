@@ -163,6 +163,63 @@ def test_context_parallel_plan_reproduces_model(kind, name):
     _reproduces(kind, g)
 
 
+TPCP_PLANS = {
+    "tp2-cp2": dict(tp=2, cp=2),
+    "tp2-cp2-a2a": dict(tp=2, cp=2, cp_comm_type="a2a"),
+}
+
+
+@pytest.mark.parametrize(("kind", "name"), [("gpt", "tp2-cp2"), ("gpt", "tp2-cp2-a2a"),
+                                            ("llama", "tp2-cp2")])
+def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
+    """Attention split by heads over tp, each head part along the sequence over its own
+    cp devices: the ring (or Ulysses) of head part t runs on devices t and t + tp."""
+    from nnscaler.ops.builtin.context_parallel import CONTEXT_PARALLEL_ATTENTION
+
+    sizes = dict(TPCP_PLANS[name])
+    tp, cp = sizes.pop("tp"), sizes.pop("cp")
+    g, p = planned(kind, config(tp=tp, cp=cp, **sizes))
+    g.check(tp * cp)
+    attention = [op for op in g.nodes() if op.opdef is not None
+                 and op.opdef.name == CONTEXT_PARALLEL_ATTENTION]
+    assert len(attention) == 4 * tp * cp  # every layer's attention, one part per device
+    want = "ulysses" if sizes.get("cp_comm_type") == "a2a" else "zigzag"
+    assert {op.kwargs["strategy"] for op in attention} == {want}
+    for op in attention:
+        devices = [part.device for part in g.split_parts(op)]
+        assert devices == [op.device % tp + c * tp for c in range(cp)]
+        q = op.input_tensors()[0]
+        assert q.shape[-3] == q.full.shape[-3] // tp and q.shape[-2] == q.full.shape[-2] // cp
+    # the linears hold a tp slice of their weight and a cp chunk of the tokens
+    linears = [op for op in g.nodes() if op.name == "torch.nn.functional.linear"
+               and op.input_tensors()[0].ndim == 3]
+    assert linears and all(op.input_tensors()[0].shape[-2] == 8 // cp for op in linears)
+    assert all(op.input_tensors()[1].shape != op.input_tensors()[1].full.shape
+               for op in linears)
+    assert p.regions
+    _reproduces(kind, g)
+
+
+@pytest.mark.parametrize(("kind", "sizes", "match"), [
+    ("llama", dict(tp=2, cp=2, cp_comm_type="a2a"),
+     r"(?s)cp_comm_type='a2a' \(Ulysses\).*op #\d+ torch.nn.functional."
+     r"scaled_dot_product_attention in .*self_attn.*\[4, 2, 2\].*\[2, 1, 1\] per part.*"
+     r"Use cp_comm_type='p2p'"),
+    ("gpt", dict(tp=8, cp=2),
+     r"(?s)tensor_model_parallel_size=8 with context_parallel_size=2 splits every "
+     r"attention by heads.*scaled_dot_product_attention.*\[4\] query.*which 8 does not "
+     r"divide.*Set tensor_model_parallel_size to a divisor"),
+    ("gpt", dict(tp=2, cp=2, sequence_parallel=True),
+     r"sequence_parallel with context_parallel_size=2 is not supported.*Drop "
+     r"sequence_parallel"),
+])
+def test_tensor_x_context_parallel_errors_name_the_op_and_the_fix(kind, sizes, match):
+    sizes = dict(sizes)
+    tp, cp = sizes.pop("tp"), sizes.pop("cp")
+    with pytest.raises(MegatronConfigError, match=match):
+        planned(kind, config(tp=tp, cp=cp, **sizes))
+
+
 @pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_other_hf_families_plan_by_structure(kind, name):
@@ -211,9 +268,9 @@ def test_layers_are_logged_when_left_whole(caplog):
     (SimpleNamespace(plan_ngpus=2, runtime_ngpus=2, pas_config={
         "tensor_model_parallel_size": "2"}), "positive int"),
     (SimpleNamespace(plan_ngpus=4, runtime_ngpus=4, pas_config={
-        "tensor_model_parallel_size": 2, "context_parallel_size": 2}),
-     r"context_parallel_size=2 with tensor_model_parallel_size=2.*Set "
-     r"tensor_model_parallel_size=1"),
+        "tensor_model_parallel_size": 2, "context_parallel_size": 2,
+        "expert_model_parallel_size": 2}),
+     r"expert_model_parallel_size=2 with context_parallel_size=2 is not planned"),
     (SimpleNamespace(plan_ngpus=4, runtime_ngpus=4, pas_config={
         "context_parallel_size": 2, "pipeline_model_parallel_size": 1,
         "tensor_model_parallel_size": 1}), "plan_ngpus must be tensor_model_parallel_size "
