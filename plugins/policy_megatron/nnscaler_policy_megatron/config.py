@@ -159,13 +159,6 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             "over the tensor-parallel devices, so it needs tensor_model_parallel_size > 1; "
             "got tensor_model_parallel_size=1. Drop sequence_parallel or raise the size"
         )
-    if sp and cp > 1:
-        raise MegatronConfigError(
-            f"policy 'megatron': sequence_parallel with context_parallel_size={cp} is not "
-            f"supported: the context-parallel split already holds each device's chunk of "
-            f"the sequence, and splitting that chunk again over the {tp} tensor-parallel "
-            f"devices is not planned. Drop sequence_parallel (the ops between blocks then "
-            f"run on the context-parallel chunk), or set context_parallel_size=1")
     ep = _int(cfg, "expert_model_parallel_size", 1) or 1
     if ep not in (1, tp):
         raise MegatronConfigError(
@@ -173,15 +166,27 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             f"tensor-parallel devices, so it is 1 or tensor_model_parallel_size={tp}; got "
             f"{ep}. Set expert_model_parallel_size={tp} (or tensor_model_parallel_size="
             f"{ep})")
+    _check_with_context(tp=tp, cp=cp, sp=sp, ep=ep)
+    return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
+                          sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
+                          ep=ep, cp=cp, cp_strategy=cp_strategy)
+
+
+def _check_with_context(*, tp: int, cp: int, sp: bool, ep: int) -> None:
+    """What does not combine with context parallelism."""
+    if sp and cp > 1:
+        raise MegatronConfigError(
+            f"policy 'megatron': sequence_parallel with context_parallel_size={cp} is not "
+            f"supported: the context-parallel split already holds each device's chunk of "
+            f"the sequence, and splitting that chunk again over the {tp} tensor-parallel "
+            f"devices is not planned. Drop sequence_parallel (the ops between blocks then "
+            f"run on the context-parallel chunk), or set context_parallel_size=1")
     if ep > 1 and cp > 1:
         raise MegatronConfigError(
             f"policy 'megatron': expert_model_parallel_size={ep} with context_parallel_size="
             f"{cp} is not planned (the experts' all-to-all has not been checked on sequence "
             f"chunks). Set expert_model_parallel_size=1 (each expert is then split by its "
             f"intermediate units over the tensor-parallel devices), or context_parallel_size=1")
-    return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
-                          sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
-                          ep=ep, cp=cp, cp_strategy=cp_strategy)
 
 
 def _cp_strategy(cfg: Mapping[str, Any], tp: int, cp: int) -> str:
