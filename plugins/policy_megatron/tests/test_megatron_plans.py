@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -169,8 +170,14 @@ TPCP_PLANS = {
 }
 
 
-@pytest.mark.parametrize(("kind", "name"), [("gpt", "tp2-cp2"), ("gpt", "tp2-cp2-a2a"),
-                                            ("llama", "tp2-cp2")])
+_SLOW = pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
+                           reason="slow: set NNSCALER_SLOW_TESTS=1")
+
+
+@pytest.mark.parametrize(("kind", "name"), [
+    ("gpt", "tp2-cp2"), ("gpt", "tp2-cp2-a2a"),
+    pytest.param("mixtral", "tp2-cp2", marks=[pytest.mark.slow, _SLOW]),
+    pytest.param("llama", "tp2-cp2", marks=[pytest.mark.slow, _SLOW])])
 def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
     """Attention split by heads over tp, each head part along the sequence over its own
     cp devices: the ring (or Ulysses) of head part t runs on devices t and t + tp."""
@@ -182,7 +189,8 @@ def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
     g.check(tp * cp)
     attention = [op for op in g.nodes() if op.opdef is not None
                  and op.opdef.name == CONTEXT_PARALLEL_ATTENTION]
-    assert len(attention) == 4 * tp * cp  # every layer's attention, one part per device
+    layers = 2 if kind == "mixtral" else 4
+    assert len(attention) == layers * tp * cp  # every layer's attention, one per device
     want = "ulysses" if sizes.get("cp_comm_type") == "a2a" else "zigzag"
     assert {op.kwargs["strategy"] for op in attention} == {want}
     for op in attention:
@@ -197,7 +205,27 @@ def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
     assert all(op.input_tensors()[1].shape != op.input_tensors()[1].full.shape
                for op in linears)
     assert p.regions
+    if kind == "mixtral":  # each expert split by its intermediate units, then by tokens
+        assert len(p.ffn_split) == 2
+    if (kind, name) == ("gpt", "tp2-cp2"):
+        _assert_generated_groups(g)
     _reproduces(kind, g)
+
+
+def _assert_generated_groups(g) -> None:
+    """Generated code: the rings of head parts 0 and 1 run over ranks (0, 2) and (1, 3),
+    the vocabulary-parallel loss over (0, 1) and (2, 3) (its replicas, one per chunk)."""
+    from nnscaler.codegen import build_program, generate_rank
+    from nnscaler.codegen.wrap import unwrap
+
+    program = build_program(g, plan_ngpus=4, runtime_ngpus=4)
+    for rank in range(4):
+        src = unwrap(generate_rank(program, rank))
+        ring = [ln for ln in src.splitlines() if "context_parallel_attention(" in ln]
+        loss = [ln for ln in src.splitlines() if "class_parallel_cross_entropy(" in ln]
+        assert len(ring) == 4 and len(loss) == 1
+        assert all(f"part_group({(rank % 2, rank % 2 + 2)!r})" in ln for ln in ring)
+        assert f"part_group({(rank // 2 * 2, rank // 2 * 2 + 1)!r})" in loss[0]
 
 
 @pytest.mark.parametrize(("kind", "sizes", "match"), [
