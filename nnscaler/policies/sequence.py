@@ -91,6 +91,14 @@ def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     ``attention`` (``'ring'`` or ``'ulysses'``)."""
     config = policy_config(compute_config, "sequence")
     n, cfg = config.plan_ngpus, config.pas_config
+    for key in ("tensor_parallel", "tensor_model_parallel_size"):
+        if cfg.get(key, 1) != 1:
+            raise PolicyError(
+                f"policy 'sequence' splits the sequence over all plan_ngpus={n} devices and "
+                f"takes no tensor-parallel degree; got pas_config[{key!r}]={cfg[key]!r}. For "
+                f"tensor x context parallelism in one scale unit use the 'megatron' policy "
+                f"(tensor_model_parallel_size with context_parallel_size), or "
+                f"split_sequence_within (nnscaler.extend) in a policy of your own")
     g = as_policy_graph(graph)
     for _, parts in split_sequence(g, n, strategy=cfg.get("attention", "ring"),
                                    sequence_dims=cfg.get("sequence_dims")):

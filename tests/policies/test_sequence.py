@@ -122,6 +122,9 @@ def test_errors():
         _plan("gpt", 2, attention="tree")
     with pytest.raises(PolicyError, match=r"sequence dim 1.*16.*3 devices.*sequence length"):
         _plan("gpt", 3)
+    with pytest.raises(PolicyError, match=r"takes no tensor-parallel degree.*"
+                                          r"\['tensor_parallel'\]=2.*'megatron' policy"):
+        _plan("gpt", 4, tensor_parallel=2)
 
 
 def test_a_padding_mask_reaches_the_ring_whole():
