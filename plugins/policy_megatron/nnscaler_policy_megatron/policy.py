@@ -16,11 +16,14 @@ Steps, in this order (each needs the one before):
    linear with a reduce-scatter; otherwise replicated, and a row linear's output is
    all-reduced.
 
-With ``context_parallel_size`` (``cp``; ``tensor_model_parallel_size`` must be 1), step 3
-and 4 are the ``sequence`` policy's split instead: every op of a stage that carries the
-sequence runs on chunks of it over the ``cp`` devices of its pipeline rank, attention as
-ring attention (zigzag when causal; Ulysses with ``cp_comm_type='a2a'``), and the others
-are replicated there (`nnscaler.policies.sequence.split_sequence`).
+With ``context_parallel_size`` (``cp``) and ``tp`` = 1, steps 3 and 4 are the
+``sequence`` policy's split instead: every op of a stage that carries the sequence runs
+on chunks of it over the ``cp`` devices of its pipeline rank, attention as ring
+attention (zigzag when causal; Ulysses with ``cp_comm_type='a2a'``), and the others are
+replicated there (`nnscaler.policies.sequence.split_sequence`). With ``tp`` > 1 too, step
+3 runs first and each tensor-parallel part is then split along the sequence over its own
+``cp`` devices (``split_sequence_within``): device ``c * tp + t`` of a pipeline rank
+holds tensor part ``t`` of sequence chunk ``c``.
 
 With ``expert_model_parallel_size`` (= ``tp``), every MoE layer's experts are split
 over the tensor-parallel devices (`nnscaler.policies.experts`): each holds ``E / tp``
