@@ -17,10 +17,16 @@ and ``allgather`` (every rank gathers all keys and values), in the same processe
 interleaved (``bench/_launch.py``'s ``time_modes``); and whether
 ``torch.distributed.tensor.experimental.context_parallel`` runs on CPU here.
 
+``--what tpcp``: memory per rank (activations after forward, the peak, and the weights)
+of the ``megatron`` policy on 4 processes: ``tensor_model_parallel_size=4``,
+``context_parallel_size=4`` and 2 x 2 (tensor x context parallelism in one scale unit),
+against one process, counted as for ``--what memory``.
+
 Prints a table, then one JSON line. Usage::
 
     python bench/cp/bench_cp.py --what memory [--seq 4096] [--degrees 1 2 4]
     python bench/cp/bench_cp.py --what time [--seq 4096] [--world 4] [--steps 5]
+    python bench/cp/bench_cp.py --what tpcp [--seq 4096] [--layers 4]
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ MIB = 2.0**20
 HEADS, HEAD_DIM = 4, 32
 
 
-def _memory_rank(rank: int, world: int, seq: int, layers: int, gen: str) -> dict[str, float]:
+def _memory_rank(rank: int, world: int, seq: int, layers: int, gen: str,
+                 megatron: dict[str, int] | None = None) -> dict[str, float]:
+    """One forward and backward on this rank: the ``sequence`` policy over ``world``
+    devices, or the ``megatron`` policy with the sizes ``megatron``."""
     from nnscaler import ComputeConfig, parallelize
     from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
 
@@ -54,20 +63,62 @@ def _memory_rank(rank: int, world: int, seq: int, layers: int, gen: str) -> dict
     torch.manual_seed(0)
     model = GPTWithLoss(cfg)
     batch = make_batch(cfg, 1)
+    if megatron is not None:
+        from nnscaler_policy_megatron import megatron_compute_config
+
+        config = megatron_compute_config(**megatron)
+        name = "megatron-" + "-".join(f"{k[:2]}{v}" for k, v in megatron.items())
+    else:
+        config = ComputeConfig(plan_ngpus=world, runtime_ngpus=world,
+                               pas_config={"attention": "ring"})
+        name = f"cp{world}"
     if world > 1:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = parallelize(model, {"batch": batch}, "sequence",
-                                ComputeConfig(plan_ngpus=world, runtime_ngpus=world,
-                                              pas_config={"attention": "ring"}),
-                                gen_savedir=gen, instance_name=f"cp{world}")
+            policy = "sequence" if megatron is None else "megatron"
+            model = parallelize(model, {"batch": batch}, policy, config, gen_savedir=gen,
+                                instance_name=name)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     counter = LiveBytes()
     with counter:
         loss = model(batch)
         after_forward = counter.live
         loss.backward()
     return {"after_forward": after_forward / MIB, "peak": counter.peak / MIB,
-            "loss": float(loss)}
+            "weights": weights / MIB, "loss": float(loss)}
+
+
+#: ``--what tpcp``: four ways to use 4 devices on one model copy
+TPCP_PLANS = {
+    "tp4": {"tensor_model_parallel_size": 4},
+    "cp4": {"context_parallel_size": 4},
+    "tp2xcp2": {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
+}
+
+
+def tpcp(args: argparse.Namespace) -> dict[str, Any]:
+    """Activation and weight memory per rank on 4 processes: megatron tp 4, cp 4 and
+    tp 2 x cp 2 in one scale unit, against one process."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as gen:
+        one = launch(_memory_rank, 1, args.seq, args.layers, gen)[0]
+    rows["one process"] = one
+    for name, sizes in TPCP_PLANS.items():
+        with tempfile.TemporaryDirectory() as gen:
+            per_rank = launch(_memory_rank, 4, args.seq, args.layers, gen, sizes)
+        rows[name] = {key: max(r[key] for r in per_rank)
+                      for key in ("after_forward", "peak", "weights")}
+        rows[name]["loss"] = per_rank[0]["loss"]
+    print(f"memory per rank (the largest rank), megatron on 4 processes, GPT {args.layers} "
+          f"layers, seq {args.seq} (MiB; ratio to one process)")
+    print(f"{'plan':>12} {'after forward':>14} {'ratio':>6} {'peak':>9} {'ratio':>6} "
+          f"{'weights':>8} {'ratio':>6} {'loss':>9}")
+    for name, row in rows.items():
+        print(f"{name:>12} {row['after_forward']:>14.1f} "
+              f"{row['after_forward'] / one['after_forward']:>6.3f} {row['peak']:>9.1f} "
+              f"{row['peak'] / one['peak']:>6.3f} {row['weights']:>8.2f} "
+              f"{row['weights'] / one['weights']:>6.3f} {row['loss']:>9.5f}")
+    return {"what": "tpcp", "seq": args.seq, "layers": args.layers, "rows": rows}
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,14 +201,14 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--what", choices=("memory", "time"), required=True)
+    p.add_argument("--what", choices=("memory", "time", "tpcp"), required=True)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
-    out = memory(args) if args.what == "memory" else timing(args)
+    out = {"memory": memory, "time": timing, "tpcp": tpcp}[args.what](args)
     print(json.dumps(out))
 
 
