@@ -20,7 +20,8 @@ interleaved (``bench/_launch.py``'s ``time_modes``); and whether
 ``--what tpcp``: memory per rank (activations after forward, the peak, and the weights)
 of the ``megatron`` policy on 4 processes: ``tensor_model_parallel_size=4``,
 ``context_parallel_size=4`` and 2 x 2 (tensor x context parallelism in one scale unit),
-against one process, counted as for ``--what memory``.
+with and without ``sequence_parallel``, against one process, counted as for
+``--what memory``.
 
 Prints a table, then one JSON line. Usage::
 
@@ -67,7 +68,7 @@ def _memory_rank(rank: int, world: int, seq: int, layers: int, gen: str,
         from nnscaler_policy_megatron import megatron_compute_config
 
         config = megatron_compute_config(**megatron)
-        name = "megatron-" + "-".join(f"{k[:2]}{v}" for k, v in megatron.items())
+        name = "megatron-" + "-".join(f"{k[:2]}{int(v)}" for k, v in megatron.items())
     else:
         config = ComputeConfig(plan_ngpus=world, runtime_ngpus=world,
                                pas_config={"attention": "ring"})
@@ -88,11 +89,13 @@ def _memory_rank(rank: int, world: int, seq: int, layers: int, gen: str,
             "weights": weights / MIB, "loss": float(loss)}
 
 
-#: ``--what tpcp``: four ways to use 4 devices on one model copy
+#: ``--what tpcp``: ways to use 4 devices on one model copy
 TPCP_PLANS = {
     "tp4": {"tensor_model_parallel_size": 4},
     "cp4": {"context_parallel_size": 4},
     "tp2xcp2": {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
+    "tp2xcp2+sp": {"tensor_model_parallel_size": 2, "context_parallel_size": 2,
+                   "sequence_parallel": True},
 }
 
 

@@ -19,8 +19,8 @@ Megatron describes a run by its parallel sizes; nnscaler by a scale unit
   that many devices (the ``sequence`` policy's split: ring attention, zigzag when
   causal); ``cp_comm_type`` is Megatron's ``'p2p'`` (the ring, the default) or
   ``'a2a'`` (Ulysses). With ``tensor_model_parallel_size > 1`` each tensor-parallel
-  part (attention's heads first) is split along the sequence over its own
-  context-parallel devices; ``sequence_parallel`` does not combine with it.
+  part (attention's heads first; with ``sequence_parallel`` the ops between blocks by
+  the sequence too) is split along the sequence over its own context-parallel devices.
 
 `megatron_compute_config` builds the [`ComputeConfig`][nnscaler.ComputeConfig] from the
 Megatron sizes; the policy checks that the compute config it receives agrees with
@@ -166,21 +166,14 @@ def read_config(compute_config: ComputeConfig) -> MegatronConfig:
             f"tensor-parallel devices, so it is 1 or tensor_model_parallel_size={tp}; got "
             f"{ep}. Set expert_model_parallel_size={tp} (or tensor_model_parallel_size="
             f"{ep})")
-    _check_with_context(tp=tp, cp=cp, sp=sp, ep=ep)
+    _check_with_context(cp=cp, ep=ep)
     return MegatronConfig(tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_stage,
                           sequence_parallel=sp, dp=dp, distributed_optimizer=distributed,
                           ep=ep, cp=cp, cp_strategy=cp_strategy)
 
 
-def _check_with_context(*, tp: int, cp: int, sp: bool, ep: int) -> None:
+def _check_with_context(*, cp: int, ep: int) -> None:
     """What does not combine with context parallelism."""
-    if sp and cp > 1:
-        raise MegatronConfigError(
-            f"policy 'megatron': sequence_parallel with context_parallel_size={cp} is not "
-            f"supported: the context-parallel split already holds each device's chunk of "
-            f"the sequence, and splitting that chunk again over the {tp} tensor-parallel "
-            f"devices is not planned. Drop sequence_parallel (the ops between blocks then "
-            f"run on the context-parallel chunk), or set context_parallel_size=1")
     if ep > 1 and cp > 1:
         raise MegatronConfigError(
             f"policy 'megatron': expert_model_parallel_size={ep} with context_parallel_size="

@@ -20,10 +20,10 @@ With ``context_parallel_size`` (``cp``) and ``tp`` = 1, steps 3 and 4 are the
 ``sequence`` policy's split instead: every op of a stage that carries the sequence runs
 on chunks of it over the ``cp`` devices of its pipeline rank, attention as ring
 attention (zigzag when causal; Ulysses with ``cp_comm_type='a2a'``), and the others are
-replicated there (`nnscaler.policies.sequence.split_sequence`). With ``tp`` > 1 too, step
-3 runs first and each tensor-parallel part is then split along the sequence over its own
-``cp`` devices (``split_sequence_within``): device ``c * tp + t`` of a pipeline rank
-holds tensor part ``t`` of sequence chunk ``c``.
+replicated there (`nnscaler.policies.sequence.split_sequence`). With ``tp`` > 1 too,
+steps 3 and 4 run first and each tensor-parallel part (or replica) is then split along
+the sequence over its own ``cp`` devices (``split_sequence_within``): device
+``c * tp + t`` of a pipeline rank holds tensor part ``t`` of sequence chunk ``c``.
 
 With ``expert_model_parallel_size`` (= ``tp``), every MoE layer's experts are split
 over the tensor-parallel devices (`nnscaler.policies.experts`): each holds ``E / tp``
@@ -184,7 +184,7 @@ def plan(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Megatron
     if cfg.ep > 1:
         require_moe_layers(ops, "megatron")
     if cfg.cp > 1:
-        _split_tensor_context(g, cfg, compute_config, result, choices)
+        _split_tensor_context(g, cfg, compute_config, result, choices, seq_along)
     else:
         for op in ops:
             parts = _tensor_parts(g, op, cfg, choices, seq_along, result)
@@ -231,16 +231,18 @@ def _tensor_parts(g: IRGraph, op: Op, cfg: MegatronConfig, choices: dict[Op, Any
 
 
 def _split_tensor_context(g: IRGraph, cfg: MegatronConfig, compute_config: ComputeConfig,
-                          plan: MegatronPlan, choices: dict[Op, Any]) -> None:
+                          plan: MegatronPlan, choices: dict[Op, Any],
+                          seq_along: dict[Op, Any]) -> None:
     """Tensor x context parallelism in one pipeline rank: every op is first split over
-    the ``tp`` devices (attention by heads), then each tensor-parallel part along the
-    sequence over its ``cp`` devices. Device ``base + c * tp + t`` holds tensor part
+    the ``tp`` devices (attention by heads; with ``sequence_parallel`` the ops between
+    blocks along the sequence), then each tensor-parallel part along the sequence over
+    its ``cp`` devices. Device ``base + c * tp + t`` holds tensor part
     ``t`` of sequence chunk ``c`` (Megatron's order, tensor ranks fastest), so the ring
     of head part ``t`` runs over the strided devices ``base + t, base + tp + t, ...``."""
     _check_attention(g, cfg, choices)
     dims = compute_config.pas_config.get("sequence_dims")
     split = split_sequence_within(
-        g, cfg.cp, lambda op: _tensor_parts(g, op, cfg, choices, {}, plan),
+        g, cfg.cp, lambda op: _tensor_parts(g, op, cfg, choices, seq_along, plan),
         strategy=cfg.cp_strategy, sequence_dims=dims)
     for op, per_part in split:
         base = ((op.stage or 0) % cfg.pp) * cfg.tp * cfg.cp

@@ -4,8 +4,8 @@ tp=2 + sequence parallel; pp=2 with and without virtual stages (2 processes); tp
 pp=2 and tp=2 x dp=2 with the distributed optimizer (4 processes). Context parallelism
 (issue 23): cp=2 x pp=2 and cp=2 x dp=2 on 4 processes (cp=2 alone on 2, Ulysses and
 GPT, with NNSCALER_SLOW_TESTS=1); tp=2 x cp=2 in one scale unit on 4 processes (the ring
-on GPT; with NNSCALER_SLOW_TESTS=1 Ulysses on GPT, the ring on Llama, and tp=2 x cp=2 x
-pp=2 on 8). Each process group runs many plans: starting processes and importing torch
+on GPT; with NNSCALER_SLOW_TESTS=1 Ulysses on GPT, the ring on Llama with and without
+sequence parallelism, and tp=2 x cp=2 x pp=2 on 8). Each process group runs many plans: starting processes and importing torch
 dominate on a small machine."""
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def test_context_parallel_with_pipeline_and_data_parallel_on_four_processes(tmp_
 @pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
                     reason="slow: set NNSCALER_SLOW_TESTS=1")
 def test_tensor_x_context_parallel_parity_on_four_processes(tmp_path):
-    """Ulysses under tp on GPT, and the ring under tp on Hugging Face Llama."""
-    cases = [("gpt", TP_CP[1]), ("llama", TP_CP[0])]
+    """Ulysses under tp on GPT, and the ring under tp on Hugging Face Llama, with and
+    without sequence parallelism."""
+    cases = [("gpt", TP_CP[1]), ("llama", TP_CP[0]),
+             ("llama", {**TP_CP[0], "sequence_parallel": True})]
     done = run_distributed(parity_worker, 4, cases, str(tmp_path), timeout=600)
     assert all(len(d) == len(cases) for d in done)
 

@@ -167,6 +167,7 @@ def test_context_parallel_plan_reproduces_model(kind, name):
 TPCP_PLANS = {
     "tp2-cp2": dict(tp=2, cp=2),
     "tp2-cp2-a2a": dict(tp=2, cp=2, cp_comm_type="a2a"),
+    "tp2-cp2-sp": dict(tp=2, cp=2, sequence_parallel=True),
 }
 
 
@@ -175,7 +176,7 @@ _SLOW = pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
 
 
 @pytest.mark.parametrize(("kind", "name"), [
-    ("gpt", "tp2-cp2"), ("gpt", "tp2-cp2-a2a"),
+    ("gpt", "tp2-cp2"), ("gpt", "tp2-cp2-a2a"), ("gpt", "tp2-cp2-sp"),
     pytest.param("mixtral", "tp2-cp2", marks=[pytest.mark.slow, _SLOW]),
     pytest.param("llama", "tp2-cp2", marks=[pytest.mark.slow, _SLOW])])
 def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
@@ -205,6 +206,9 @@ def test_tensor_x_context_parallel_plan_reproduces_model(kind, name):
     assert all(op.input_tensors()[1].shape != op.input_tensors()[1].full.shape
                for op in linears)
     assert p.regions
+    if sizes.get("sequence_parallel"):  # the norms between blocks: a quarter of the tokens
+        norms = [op for op in g.nodes() if op.name == "torch.nn.functional.layer_norm"]
+        assert norms and all(op.input_tensors()[0].shape[-2] == 8 // (tp * cp) for op in norms)
     if kind == "mixtral":  # each expert split by its intermediate units, then by tokens
         assert len(p.ffn_split) == 2
     if (kind, name) == ("gpt", "tp2-cp2"):
@@ -237,9 +241,6 @@ def _assert_generated_groups(g) -> None:
      r"(?s)tensor_model_parallel_size=8 with context_parallel_size=2 splits every "
      r"attention by heads.*scaled_dot_product_attention.*\[4\] query.*which 8 does not "
      r"divide.*Set tensor_model_parallel_size to a divisor"),
-    ("gpt", dict(tp=2, cp=2, sequence_parallel=True),
-     r"sequence_parallel with context_parallel_size=2 is not supported.*Drop "
-     r"sequence_parallel"),
 ])
 def test_tensor_x_context_parallel_errors_name_the_op_and_the_fix(kind, sizes, match):
     sizes = dict(sizes)
