@@ -17,7 +17,9 @@ under ``plugins/``. The names, by what a plugin does with them:
   search weighs (`op_work`, `op_layouts`, `part_piece`, `replicated`), work handed to
   every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`),
   experts (`is_moe`, `require_moe_layers`, `expert_transform`, `ffn_transform`), the
-  sequence split of context parallelism (`split_sequence`) and running ops for profiling
+  sequence split of context parallelism (`split_sequence`; `token_split` offers a mean
+  loss's token split, and the part ops `CONTEXT_PARALLEL_ATTENTION` and
+  `TOKEN_PARALLEL_CE` name the splits whose parts talk) and running ops for profiling
   (`run_ops`, `release_schedule`);
 - adapters and devices: `Layout`, `Plan`, `plan`, `Primitive`, `execute_plan`,
   `plan_groups`, `ensure_groups`, `device_type`, `current_device`;
@@ -58,6 +60,8 @@ from nnscaler.ir import (
     tensors_in,
 )
 from nnscaler.layout import Layout, Plan, Primitive, plan
+from nnscaler.ops.builtin.context_parallel import CONTEXT_PARALLEL_ATTENTION
+from nnscaler.ops.builtin.token_loss import TOKEN_PARALLEL_CE, token_split
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.ops.user_ops import make_recording_wrapper
 from nnscaler.parallel import call_on_every_rank, map_over_ranks
@@ -78,6 +82,7 @@ from nnscaler.schedule import get_schedule
 
 __all__ = [
     "AUTO",
+    "CONTEXT_PARALLEL_ATTENTION",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULER",
     "ComputeConfig",
@@ -100,6 +105,7 @@ __all__ = [
     "Replicate",
     "Split",
     "SubTensor",
+    "TOKEN_PARALLEL_CE",
     "TensorKind",
     "Transform",
     "ValuePartial",
@@ -134,4 +140,5 @@ __all__ = [
     "split_sequence",
     "split_sequence_within",
     "tensors_in",
+    "token_split",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 from nnscaler.extend import FullTensor, Op, SubTensor, op_work
 from nnscaler_policy_autodist.comm import DeviceSpec
@@ -143,10 +144,25 @@ def _grads(op: Op) -> bool:
     return not op.no_grad and any(t.full.requires_grad for t in op.input_tensors())
 
 
+def _attention_share(op: Op, num: int, t: Any) -> float:
+    """The share of an attention's work one of ``num`` parts does under ``t``: ``1/num``,
+    except a split of the value's feature dim (``Ev``), under which every part still
+    computes all of ``q @ k^T`` and only its ``Ev / num`` columns of the product with
+    ``v``: ``(E + Ev / num) / (E + Ev)``."""
+    v = op.inputs[2] if len(op.inputs) > 2 else None
+    if t is None or num <= 1 or getattr(t, "idx", None) != 2 or not isinstance(v, SubTensor) \
+            or t.dim != v.ndim - 1 or not isinstance(op.inputs[0], SubTensor):
+        return 1.0 / num
+    e, ev = op.inputs[0].shape[-1], v.shape[-1]
+    return (e + ev / num) / (e + ev)
+
+
 def analytic_time(op: Op, spec: DeviceSpec, num: int = 1,
-                  strided: frozenset[FullTensor] = frozenset()) -> tuple[float, float]:
+                  strided: frozenset[FullTensor] = frozenset(),
+                  t: Any = None) -> tuple[float, float]:
     """(forward, backward) seconds of one part of ``op`` in ``num`` parts on ``spec``'s
-    device (the module's rules). Backward is 0 when no gradient flows."""
+    device (the module's rules), split by ``t`` where given (it matters to attention's
+    work: `_attention_share`). Backward is 0 when no gradient flows."""
     grads = _grads(op)
     if moves_no_data(op, strided):
         return 0.0, 0.0
@@ -155,9 +171,10 @@ def analytic_time(op: Op, spec: DeviceSpec, num: int = 1,
     if attn is not None:
         fw_rate = spec.attn_fw_flops or spec.flops
         bw_rate = spec.attn_bw_flops or spec.flops
-        fw = max(attn[0] / num / fw_rate, moved / spec.mem_bw) + spec.launch
+        share = _attention_share(op, num, t)
+        fw = max(attn[0] * share / fw_rate, moved / spec.mem_bw) + spec.launch
         # backward reads what forward read plus the output's gradient, writes the inputs'
-        bw = max(attn[1] / num / bw_rate, 2 * moved / spec.mem_bw) + spec.launch
+        bw = max(attn[1] * share / bw_rate, 2 * moved / spec.mem_bw) + spec.launch
         return fw, (bw if grads else 0.0)
     work = op_work(op) / num
     fw = max(2 * work / spec.flops, moved / spec.mem_bw) + spec.launch

@@ -62,6 +62,13 @@ from nnscaler.extend import (
 )
 from nnscaler_policy_autodist.comm import CommModel
 from nnscaler_policy_autodist.profile import ComputeProfiler
+from nnscaler_policy_autodist.sequence import (
+    PartTimes,
+    attention_calls,
+    part_strategy,
+    sequence_transient,
+    usable,
+)
 
 __all__ = ["CostModel", "Edge", "Option", "StageProblem"]
 
@@ -84,6 +91,8 @@ class Option:
     mem: float  # bytes per device
     act: float  # of which activations kept for backward, per micro-batch
     transient: float = 0.0  # bytes its optimizer step holds briefly (a stage holds the max)
+    #: how the parts talk along the sequence (`sequence.part_strategy`), for the report
+    strategy: str | None = None
 
     @property
     def time(self) -> float:
@@ -92,7 +101,8 @@ class Option:
     def describe(self) -> str:
         return "replicate" if self.transform is None else (
             f"split input {self.transform.idx} dim {self.transform.dim} "
-            f"({self.transform.ident!r}) in {self.transform.num}")
+            f"({self.transform.ident!r}) in {self.transform.num}"
+            + ("" if self.strategy is None else f" ({self.strategy})"))
 
 
 @attrs.frozen(eq=False)
@@ -129,8 +139,10 @@ class CostModel:
                  allowed: dict[int, set] | None = None, max_degree: int | None = None,
                  micro_batches: int = 1, share: float = 1.0,
                  overlap_grads: bool = False, unit: int | None = None,
-                 zero_stage: int | None = None) -> None:
+                 zero_stage: int | None = None, parts: PartTimes | None = None) -> None:
         self.profiler = profiler
+        #: the measured times of the sequence splits whose parts talk (`sequence`)
+        self.parts = parts
         self.comm = comm
         self.units = units
         #: the ZeRO stage (docs/zero.md); ``zero`` alone means stage 1, as in nnScaler
@@ -160,7 +172,7 @@ class CostModel:
         if k > 1 and op.anno is not None and op.opdef is not None and not op.opdef.collective \
                 and (self.max_degree is None or k <= self.max_degree):
             for t in op.anno.transform_space(k, rules=op.opdef.rules_for(op.anno)):
-                if allowed is None or (t.idx, t.dim) in allowed:
+                if (allowed is None or (t.idx, t.dim) in allowed) and usable(op, t, k):
                     out.append(t)
         if not out:  # constraints that leave nothing: replicate (reported by the caller)
             out.append(None)
@@ -183,7 +195,8 @@ class CostModel:
     def option(self, op: Op, t: Transform | None, k: int, first_reader: dict[FullTensor, Op],
                outputs: set[FullTensor], produced: set[FullTensor]) -> Option:
         reads, writes = op_layouts(op, t, k)
-        fw, bw = self.profiler.time(op, t, k)
+        got = self.parts.time(op, t, k) if self.parts is not None else None
+        fw, bw = got if got is not None else self.profiler.time(op, t, k)
         grads = not op.no_grad and any(g for _, _, g in reads)
         recomputed = op.oid in self.recompute
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
@@ -241,7 +254,9 @@ class CostModel:
             if full in outputs:
                 comm += self.move(full, lay, replicated(full, k), full.requires_grad)
         return Option(transform=t, reads=reads, writes=writes, compute=compute, comm=comm,
-                      mem=mem + act, act=act, transient=transient)
+                      mem=mem + act, act=act,
+                      transient=max(transient, sequence_transient(op, t, k)),
+                      strategy=part_strategy(op, t, k))
 
     def part_comm(self, op: Op, t: Transform | None, k: int, grads: bool) -> float:
         """Seconds of the collectives the parts of ``op`` run among themselves under
@@ -256,7 +271,8 @@ class CostModel:
         if t is None or t.part_op is None or k <= 1:
             return 0.0
         total = 0.0
-        for call in self.profiler.collectives(op, t, k):
+        calls = attention_calls(op, t, k, grads)  # the sequence split's, from its steps
+        for call in self.profiler.collectives(op, t, k) if calls is None else calls:
             if call.kind == "send_recv":  # an all-reduce moves 2(k-1)/k of its bytes
                 nbytes = call.nbytes * k / (2 * (k - 1))
             elif call.kind == "all_to_all":

@@ -61,6 +61,7 @@ from nnscaler_policy_autodist.pipeline import (
     stage_counts,
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
+from nnscaler_policy_autodist.sequence import PartTimes, planning
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution
 from nnscaler_policy_autodist.zero import StageEstimate, choose_stage
 
@@ -346,6 +347,11 @@ def _search(g: IRGraph, models: dict[int, CostModel], config: ComputeConfig,
 
 def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
     """Plan ``graph`` like the ``autodist`` policy and also return what it chose."""
+    with planning():  # a mean loss's token split is an option too (`sequence`)
+        return _plan_graph(graph, compute_config)
+
+
+def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, AutoDistResult]:
     from nnscaler_policy_autodist import planfile, report
 
     t0 = time.perf_counter()
@@ -365,6 +371,7 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
                        cfg.devices_per_node, runtime)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)
     profiler.note_program(ops)
+    parts = PartTimes(profiler)
     rec_paths = _recompute_paths(g, cfg.recompute_modules)
     recompute = frozenset(op.oid for op in ops if any(_in(op, p) for p in rec_paths))
     allowed = load_constraints(cfg.partition_constraints_path, g)
@@ -376,14 +383,17 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
                                  max_degree=cfg.max_partition_degree,
                                  micro_batches=nmicros * cfg.update_freq,
                                  share=core_share() if here else 1.0,
-                                 overlap_grads=_reduces_in_backward(config, z), unit=n)
+                                 overlap_grads=_reduces_in_backward(config, z), unit=n,
+                                 parts=parts)
                     for n in sizes} for z in zero_stages}
     models = by_stage[zero_stages[0]]  # the options, what is profiled, are the same
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
     if here and cfg.load_plan_path is None:  # what the search asks for, over the ranks
-        profiler.prefetch([(op, t, n // s) for n, model in models.items()
-                           for s in stage_counts(n, cfg, len(ops), count_layers(ops))
-                           for op in ops for t in model.transforms(op, n // s)])
+        requests = [(op, t, n // s) for n, model in models.items()
+                    for s in stage_counts(n, cfg, len(ops), count_layers(ops))
+                    for op in ops for t in model.transforms(op, n // s)]
+        profiler.prefetch(requests)
+        parts.prefetch(requests)
     if here:  # the ops' times as they take in a whole step of this model
         profiler.calibrate(ops, g.output_tensors())
     def search(stage: int) -> tuple:
@@ -396,6 +406,7 @@ def plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, Au
         zero_stage, found = zero_stages[0], search(zero_stages[0])
     n, pipe, problems, solutions, meshes = found
     profiler.save()
+    parts.save()
     _apply(g, pipe, problems, solutions)
     for path in rec_paths:
         g.recompute(path)

@@ -366,7 +366,7 @@ class ComputeProfiler:
 
     def _time(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
         if not self.measure:
-            return analytic_time(op, self.spec, num, self.strided)
+            return analytic_time(op, self.spec, num, self.strided, t)
         found = self._job(op, t, num)
         if found is None:
             if t is not None and op.anno is not None and op.opdef is not None \

@@ -19,6 +19,12 @@ from torch import nn
 SGD = {"lr": 0.1, "momentum": 0.9}
 
 
+def _gpt_seq() -> Any:  # the config of kind "gpt_seq"
+    from nnscaler.models import GPTConfig
+
+    return GPTConfig(vocab_size=256, n_layer=2, n_head=1, d_model=64, seq_len=16)
+
+
 class Quickstart(nn.Module):
     """The seed quickstart's model: Linear(100, 10) and cross-entropy on a dict batch."""
 
@@ -39,6 +45,8 @@ def make(kind: str) -> nn.Module:
         return Quickstart()
     if kind == "mlp":
         return MLP(MLPConfig(d_in=16, d_hidden=64, n_classes=4, n_layers=3))
+    if kind == "gpt_seq":  # one sequence, one head: test_autodist_sequence.py's model
+        return GPTWithLoss(_gpt_seq())
     return GPTWithLoss(GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=32, seq_len=8))
 
 
@@ -52,6 +60,8 @@ def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
         return {"x": torch.rand(4, 100, generator=g), "y": torch.randint(10, (4,), generator=g)}
     if kind == "mlp":
         return mlp_batch(MLPConfig(d_in=16, d_hidden=64, n_classes=4, n_layers=3), 8, seed=seed)
+    if kind == "gpt_seq":
+        return gpt_batch(_gpt_seq(), 1, seed=seed)
     return gpt_batch(GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=32, seq_len=8), 4,
                      seed=seed)
 
