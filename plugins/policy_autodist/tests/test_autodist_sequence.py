@@ -213,3 +213,18 @@ def test_the_chosen_long_sequence_plan_trains_as_one_process(tmp_path, long_plan
     assert all(r["checked"] > 0 for r in results)
     code = "".join(p.read_text() for p in (tmp_path / "gen").rglob("gencode*.py"))
     assert "strategy='zigzag'" in code and "token_parallel_cross_entropy" in code
+
+
+def _run4(rank, world, pas_config, outdir):
+    return train(rank, world, "gpt_seq", 4, pas_config, outdir)
+
+
+@pytest.mark.slow
+def test_the_chosen_plan_on_4_devices_trains_as_one_process(tmp_path):
+    path = tmp_path / "plan.json"
+    _, result = plan_graph(_graph(32768), _config(4, tmp_path, save_plan_path=str(path)))
+    assert {o.strategy for name, _, o in _choices(result) if name == SDPA} == {"zigzag"}
+    pas = {"profile_dir": str(tmp_path / "profile"), "device_type": "H100",
+           "load_plan_path": str(path)}
+    results = run_distributed(_run4, 4, pas, str(tmp_path / "gen"))
+    assert all(r["checked"] > 0 for r in results)
