@@ -228,3 +228,5 @@ def test_the_chosen_plan_on_4_devices_trains_as_one_process(tmp_path):
            "load_plan_path": str(path)}
     results = run_distributed(_run4, 4, pas, str(tmp_path / "gen"))
     assert all(r["checked"] > 0 for r in results)
+    code = "".join(p.read_text() for p in (tmp_path / "gen").rglob("gencode*.py"))
+    assert "strategy='zigzag'" in code and "token_parallel_cross_entropy" in code
