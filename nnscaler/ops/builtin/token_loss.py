@@ -9,7 +9,7 @@ the whole mean. Its gradient is the all-reduce's adjoint: each part's sum receiv
 gradient of every part's result.
 
 The rule is offered inside `token_split` only (the ``sequence`` and ``data`` policies
-plan in it): the other policies keep the plans they had, in which a mean loss gathers its
+and autodist plan in it): the other policies keep the plans they had, in which a mean loss gathers its
 inputs.
 """
 
