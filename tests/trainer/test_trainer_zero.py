@@ -47,9 +47,10 @@ def _run(args: Any) -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "losses": losses, "stages": stages}
 
 
-def _worker(rank: int, world: int, tmp: str, **overrides: Any) -> dict[str, Any]:
+def _worker(rank: int, world: int, tmp: str, overrides: dict[str, Any]) -> dict[str, Any]:
     from nnscaler import ComputeConfig
 
+    overrides = dict(overrides)
     zero_stage = overrides.pop("zero_stage")
     cfg = ComputeConfig(1, world, use_end2end=True, zero_stage=zero_stage)
     return _run(trainer_args(Path(tmp), world=world, compute_config=cfg,
@@ -83,14 +84,14 @@ def _bf16_recipe(tmp: Path) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters():
                 summed[n] += p.grad
         for n, p in model.named_parameters():
-            p.grad = summed[n].float()
+            p.grad = summed[n]  # the optimizer takes it to fp32 (exact), as the shards do
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def test_bf16_with_stage3_is_the_recipe_bitwise(tmp_path):
-    results = run_distributed(_worker, 2, str(tmp_path), zero_stage=3, precision="bf16",
-                              instance_name="bf16_zero3")
+    results = run_distributed(_worker, 2, str(tmp_path), {
+        "zero_stage": 3, "precision": "bf16", "instance_name": "bf16_zero3"})
     assert all(r["stages"] == [3] for r in results)
     weights = merged_weights(results)
     ref = _bf16_recipe(tmp_path)
@@ -102,8 +103,8 @@ def test_bf16_with_stage3_is_the_recipe_bitwise(tmp_path):
 def test_zero_stage_auto_trains_as_one_process(tmp_path):
     """autodist (the Trainer's default policy under 'auto') chooses the stage; parity
     with the one-process run of the same global batch (rtol 1e-5)."""
-    results = run_distributed(_worker, 2, str(tmp_path / "two"), zero_stage="auto",
-                              policy="autodist", instance_name="zero_auto")
+    results = run_distributed(_worker, 2, str(tmp_path / "two"), {
+        "zero_stage": "auto", "policy": "autodist", "instance_name": "zero_auto"})
     stages = results[0]["stages"]
     assert len(stages) == 1 and stages[0] in (0, 1, 2, 3) and results[1]["stages"] == stages
     one = _run(trainer_args(tmp_path / "one", max_train_steps=STEPS))
