@@ -161,3 +161,28 @@ def test_kept_gathered_gathers_each_unit_once_and_trains_the_same(tmp_path, monk
     assert runs[0][0] == runs[1][0]
     for name, w in runs[0][1].items():
         assert torch.equal(w, runs[1][1][name]), name
+
+
+def test_the_generated_gathers_are_the_mechanism(tmp_path, monkeypatch):
+    """Forward gathers nothing but what the generated zero3 calls gather: a statement that
+    read a unit whose gather is skipped fails (its storage is empty) instead of reading
+    stale values; a unit the rank does not hold is a ParallelModuleError."""
+    from nnscaler.errors import ParallelModuleError
+
+    pm = _parallel(tmp_path)
+    batch = make_batch(CONFIG, 2, seed=1)
+    real = zero3.Zero3Runner.enter
+
+    def skipping(self, unit):
+        if unit != "gpt.blocks.2":
+            real(self, unit)
+
+    monkeypatch.setattr(zero3.Zero3Runner, "enter", skipping)
+    monkeypatch.setattr(zero3.Zero3Runner, "start", lambda self, unit: None)
+    with pytest.raises(RuntimeError, match="storage|not allocated"):
+        pm(batch)
+    monkeypatch.undo()
+    pm(batch).backward()  # as generated: fine
+    with pytest.raises(ParallelModuleError, match=r"unit 'gpt.blocks.9', which this rank's "
+                                                  r"reducers do not hold"):
+        zero3.gather(pm, "gpt.blocks.9")
