@@ -3,7 +3,8 @@
 With ``zero_stage=3`` a rank holds a shard of each parameter piece (`nnscaler.runtime.zero3`).
 The generated forward says so where it happens: before the first statement that reads a
 gathering unit's parameters it calls ``zero3.gather(self, unit)`` and
-``zero3.prefetch(self, next_unit)``, and after the last one ``zero3.free(self, unit)``.
+``zero3.prefetch(self, next_unit)``, and once it is done with them
+``zero3.free(self, unit)``.
 These calls are the mechanism (the runtime gathers nothing else in forward), so they are
 written from what each statement of the final code reads (``self.<attribute>``, and the
 parameters of the ``_recompute_*`` method a checkpointed call runs):
@@ -18,8 +19,9 @@ parameters of the ``_recompute_*`` method a checkpointed call runs):
 
 The file's docstring lists every parameter piece the rank holds a shard of, by unit, with
 the range of its flat elements that the shard holds (`shard_lines`; the runtime's buckets
-lay the pieces out the same way, `tests/codegen/test_zero3_codegen.py` checks it), and, in a
-pipeline, the pieces it holds whole (stage 2's layout).
+lay the pieces out the same way: the stage-3 parity tests compare the two,
+``check_zero3_header`` in ``tests/parity_utils.py``), and, in a pipeline, the pieces it
+holds whole (stage 2's layout).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from nnscaler.runtime.bucket import padded_numel
 from nnscaler.runtime.zero import zero_groups
 from nnscaler.runtime.zero3 import unit_of
 
-__all__ = ["HeldParam", "held_params", "shard_lines", "with_gathers"]
+__all__ = ["HeldParam", "held_params", "shard_lines", "shard_ranges", "with_gathers"]
 
 _INDENT = "    "
 _SELF_ATTR = re.compile(r"\bself\.([A-Za-z_]\w*)")
@@ -81,14 +83,16 @@ def held_params(p: Program, device: int) -> list[HeldParam]:
     return out
 
 
-def shard_ranges(p: Program, rank: int) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+def shard_ranges(p: Program, rank: int, held: Sequence[HeldParam] | None = None
+                 ) -> dict[str, tuple[int, int, tuple[int, ...]]]:
     """Per stage-3 attribute of ``rank``: the flat elements ``[lo, hi)`` of its piece that
     the rank's shard holds (``lo == hi``: none) and the ZeRO group the piece is sharded
     over. One flat buffer per reducer, unit and dtype, the pieces one after the other,
-    padded to split evenly over the group (as `nnscaler.runtime.bucket.Bucket` lays it)."""
+    padded to split evenly over the group (as `nnscaler.runtime.bucket.Bucket` lays it);
+    ``held``: `held_params` of the rank's device, when made already."""
     ngroups = p.reducer_config.get("zero_ngroups", 1)
     buckets: dict[tuple[object, ...], list[HeldParam]] = {}
-    for h in held_params(p, rank % p.plan_ngpus):
+    for h in held if held is not None else held_params(p, rank % p.plan_ngpus):
         if not h.whole:
             buckets.setdefault((h.holders, h.unit, h.dtype), []).append(h)
     out = {}
@@ -115,7 +119,7 @@ def _piece(h: HeldParam) -> str:
 def shard_lines(p: Program, rank: int) -> list[str]:
     """The docstring's lines on what ``rank`` holds under stage 3."""
     held = held_params(p, rank % p.plan_ngpus)
-    ranges = shard_ranges(p, rank)
+    ranges = shard_ranges(p, rank, held)
     lines = ["ZeRO stage 3: this rank holds a shard of each parameter piece below: the "
              "flat elements [start, end) of the piece (after the full parameter's shape, "
              "and the piece's ranges where it is a piece), gathered one unit at a time by "
