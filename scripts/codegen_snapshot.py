@@ -7,7 +7,8 @@ refactoring of code generation against the code before it::
 
 The plans: tensor parallelism (with and without ZeRO, with recompute), a pipeline (plain,
 interleaved, with each stage's block recomputed) and tensor parallelism inside pipeline stages (hybrid), over
-more than one scale unit where it adds something. No process group is needed:
+more than one scale unit where it adds something; and ZeRO stage 3 under tp, pp with
+recompute and hybrid. No process group is needed:
 ``parallelize`` only writes the files (``load_module=False``). Each plan's files land in
 ``OUT/<plan>/gencode{rank}.py``.
 """
@@ -52,6 +53,12 @@ PLANS: dict[str, tuple[Any, dict[str, Any]]] = {
                                                    pas_config=PIPE)),
     "hybrid": ("hybrid", dict(plan_ngpus=4, runtime_ngpus=8,
                               pas_config={**PIPE, "pipeline_nstages": 2})),
+    # ZeRO stage 3: the forward's zero3.gather / prefetch / free and the header's shards
+    "tp_zero3": ("tp", dict(plan_ngpus=2, runtime_ngpus=4, zero_stage=3)),
+    "pp_zero3_recompute": (_recomputed(pp, BLOCKS), dict(plan_ngpus=2, runtime_ngpus=4,
+                                                         pas_config=PIPE, zero_stage=3)),
+    "hybrid_zero3": ("hybrid", dict(plan_ngpus=4, runtime_ngpus=8, zero_stage=3,
+                                    pas_config={**PIPE, "pipeline_nstages": 2})),
 }
 
 

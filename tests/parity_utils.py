@@ -80,3 +80,30 @@ def check_parity(results: list[dict[str, Any]], ref: dict[str, Any], plan_ngpus:
                                            meta.take(by_name(ref["params"], meta)),
                                            rtol=RTOL, atol=ATOL,
                                            msg=lambda m, a=attr, r=rank: f"rank {r} {a}: {m}")
+
+
+def check_zero3_header(pm: Any) -> int:
+    """The docstring of a ZeRO stage-3 module's generated file lists, per parameter piece,
+    the flat elements ``[start, end)`` that this rank's shard holds: they must be what the
+    runtime's buckets hold (`nnscaler.codegen.gathers.shard_ranges` against
+    `nnscaler.runtime.bucket.Bucket`). Returns how many pieces were compared."""
+    import inspect
+    import re
+
+    head = open(inspect.getfile(type(pm))).read().split('"""')[1]
+    head = re.sub(r"\n {16}", " ", head)  # a wrapped entry, joined back
+    shown = {m.group(1): (int(m.group(2) or 0), int(m.group(3) or 0)) for m in re.finditer(
+        r"^ {8}(\w+) \([^)]*\)(?: \[[^\]]*\])?: (?:\[(\d+), (\d+)\)|none) of \d+$", head,
+        re.M)}
+    attr_of = {id(getattr(pm, a)): a for a in pm.fullmap}
+    held = {}
+    for reducer in pm.reducers:
+        if reducer.stage < 3:
+            continue
+        for b in reducer.buckets:
+            lo, hi = b.shard_index * b.shard_numel, (b.shard_index + 1) * b.shard_numel
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(lo, off), min(hi, off + p.numel())
+                held[attr_of[id(p)]] = (start - off, end - off) if start < end else (0, 0)
+    assert shown == held, (shown, held)
+    return len(held)

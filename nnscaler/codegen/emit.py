@@ -27,6 +27,7 @@ from nnscaler.codegen import recompute
 from nnscaler.codegen.calls import CallSource, call_source
 from nnscaler.codegen.errors import CodegenError
 from nnscaler.codegen.file_parts import DeviceCode, Wrapped, header, program_attributes
+from nnscaler.codegen.gathers import held_params, with_gathers
 from nnscaler.codegen.layouts import describe_plan, relabel_invariant, shifted, unit_plan
 from nnscaler.codegen.literals import Code, literal
 from nnscaler.codegen.program_types import AdapterSpec, OpStep, Program
@@ -312,6 +313,9 @@ class _Rank:
         they call are kept for the class (``self.methods``)."""
         new, methods = recompute.extract(body, params, self.segments,
                                          enabled=not self.p.inference_only)
+        if self.p.reducer_config.get("zero_stage", 0) >= 3 and not self.p.inference_only:
+            units = {h.attr: h.unit for h in held_params(self.p, self.device) if not h.whole}
+            new = with_gathers(new, methods, units)  # stage 3: the forward's gathers
         if any("torch.utils.checkpoint.checkpoint(" in line for line in new):
             self.imports.add("torch.utils.checkpoint")
         self.methods += methods
@@ -465,6 +469,8 @@ class _Rank:
             names.append("Adapter")
         if stages is not None:
             names += stages.runtime_names(methods)
+        if any(line.lstrip().startswith("zero3.") for line in methods):
+            names.append("zero3")
         imports.append(f"from nnscaler.runtime import {', '.join(sorted(names))}")
         for d in self.defs:
             imports += ["", "", d.rstrip()]

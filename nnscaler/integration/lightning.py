@@ -29,7 +29,8 @@ What the strategy does, in Lightning's order:
    is parallelized again.
 
 Logging (``self.log(..., sync_dist=True)``), the progress bar and callbacks work as
-with ``ddp``, and so do ZeRO's stages (``ComputeConfig(zero_stage=2)`` or ``3``). Not supported: Lightning's gradient clipping (it would clip unsynced
+with ``ddp``, and so do ZeRO's stages (``ComputeConfig(zero_stage=2)`` or ``3``; ``'auto'``
+with ``pas_policy='autodist'``, which chooses it). Not supported: Lightning's gradient clipping (it would clip unsynced
 gradients; call ``optimizer.clip_gnorm(max_norm)`` in ``on_before_optimizer_step``
 instead), optimizers with several parameter groups, and pipeline plans (a pipelined
 module runs a whole step in ``train_step``, which Lightning's loop does not call).

@@ -8,7 +8,8 @@ run at interpreter exit). See ``docs/runtime.md``.
 
 Generated code (``gencode{rank}.py``) imports only from here: ``ParallelModule``,
 ``Adapter`` and ``boundary``; for pipelines ``Piece``, ``Pipeline``, ``parse_schedule``
-and ``anchored``; and nnscaler's own op implementations from `nnscaler.runtime.ops`.
+and ``anchored``; for ZeRO stage 3 ``zero3``; and nnscaler's own op implementations
+from `nnscaler.runtime.ops`.
 """
 
 # ruff: noqa: F401  (re-exports: keep this a plain list of imports)
@@ -52,3 +53,7 @@ from nnscaler.runtime.boundary import Adapter
 from nnscaler.runtime.module import AttrMeta, ParallelModule, ParallelModuleError
 from nnscaler.runtime.partgroup import ProcessPartGroup
 from nnscaler.runtime.pipeline import Piece, Pipeline, anchored, parse_schedule
+
+# isort: split
+# ZeRO stage 3: zero3.gather / prefetch / free around the units a generated forward reads
+from nnscaler.runtime import zero3

@@ -7,15 +7,14 @@ under one layer path, ``gpt.blocks.3``: what `nnscaler.graph.blocks.layer_path` 
 layer) or, for every other parameter, the *rest* unit; ``ComputeConfig.zero_units`` names
 the units by module path instead.
 
-`Zero3Runner` runs a forward of the generated code under two hooks:
-
-- a `torch.overrides.TorchFunctionMode` sees every torch call; the first call that reads
-  a parameter of a freed unit all-gathers that unit (and starts the gather of the unit
-  that came next in the previous forward: prefetch, an async handle). A block unit is
-  freed when the forward moves on to another block; the rest unit when forward ends;
-- `torch.autograd.graph.saved_tensors_hooks`: a tensor saved for backward that lives in a
-  unit's buffer (a parameter, or a view of one) is saved as ``(unit, offset, size,
-  stride)``, and unpacked by gathering the unit again (prefetching the unit before it).
+Forward is driven by the generated code itself: around the statements that read a unit's
+parameters it calls `gather` (all-gather the unit, wait for it), `prefetch` (start the
+gather of the unit it reads next, an async handle) and `free` (drop the unit's values once
+its last statement ran), which `nnscaler.codegen.gathers` writes from the parameters each
+statement reads. `Zero3Runner.forward` adds one hook around it,
+`torch.autograd.graph.saved_tensors_hooks`: a tensor saved for backward that lives in a
+unit's buffer (a parameter, or a view of one) is saved as ``(unit, offset, size,
+stride)``, and unpacked by gathering the unit again (prefetching the unit before it).
 
 Backward reduce-scatters each unit's gradients as in stage 2 (`nnscaler.runtime.reducer`)
 and frees the unit's parameters once its gradients are launched: they are not needed
@@ -46,13 +45,18 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from nnscaler.config import ComputeConfigError
+from nnscaler.errors import ParallelModuleError
+from nnscaler.runtime.compiling import outside_compiled
 
 if TYPE_CHECKING:
     from nnscaler.runtime.module import ParallelModule
     from nnscaler.runtime.reducer import Bucket, Reducer
 
-__all__ = ["Zero3Runner", "check_units", "free_unit", "gather_unit", "gathered",
-           "kept_gathered", "unit_of", "wait_unit"]
+__all__ = ["REST", "Zero3Runner", "check_units", "free", "free_unit", "gather",
+           "gather_unit", "gathered", "kept_gathered", "prefetch", "unit_of", "wait_unit"]
+
+#: The name of the *rest* unit: the parameters that lie under no block (or no named unit).
+REST = ""
 
 
 def check_units(units: Sequence[str], param_names: Iterable[str]) -> None:
@@ -138,10 +142,13 @@ class _Saved:
 
 
 class _GatherMode(TorchFunctionMode):
-    def __init__(self, runner: Zero3Runner, recompute: bool = False) -> None:
+    """Backward recomputes a checkpointed piece: each torch call that reads a parameter
+    gathers its unit (`Zero3Runner.use_recompute`)."""
+
+    def __init__(self, runner: Zero3Runner) -> None:
         super().__init__()
         self.runner = runner
-        self.use = runner.use_recompute if recompute else runner.use_forward
+        self.use = runner.use_recompute
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -161,16 +168,18 @@ class Zero3Runner:
         self.reducers = reducers
         self.param_bucket: dict[int, tuple[Reducer, Bucket]] = {}
         self.storage_bucket: dict[int, tuple[Reducer, Bucket]] = {}
+        #: the buckets of each unit (one per reducer and dtype), what `gather` names
+        self.units: dict[str, list[tuple[Reducer, Bucket]]] = {}
         for r in reducers:
             for b in r.buckets:
                 if b.param_buffer is None:
                     raise RuntimeError("internal error: a stage-3 bucket without a buffer")
                 self.storage_bucket[b.param_buffer.untyped_storage()._cdata] = (r, b)
+                self.units.setdefault(b.unit, []).append((r, b))
                 for p in b.params:
                     self.param_bucket[id(p)] = (r, b)
         self.order: list[Bucket] = []  # units in the order the last forward used them
         self._seen: list[Bucket] = []
-        self._current: Bucket | None = None  # the block forward is in
         self._backward_at: Bucket | None = None  # the block backward is in
         self._in_forward = False
         self.keep = False  # `kept_gathered`: no unit is freed until the block ends
@@ -189,18 +198,33 @@ class Zero3Runner:
                 nxt = self.order[i]
                 gather_unit(self._reducer(nxt), nxt, async_op=True)
 
-    def use_forward(self, reducer: Reducer, bucket: Bucket) -> None:
-        """A forward call reads ``bucket``'s parameters."""
-        if bucket not in self._seen:
-            self._seen.append(bucket)
-        if bucket is not self._current and bucket.unit:  # forward moves to another block
-            if self._current is not None:
-                self.release(self._current)
-            self._current = bucket
-            gather_unit(reducer, bucket)
-            self._prefetch_after(bucket, +1)
-        gather_unit(reducer, bucket)  # a no-op when gathered (or being gathered)
-        wait_unit(bucket)
+    def _unit(self, unit: str) -> list[tuple[Reducer, Bucket]]:
+        found = self.units.get(unit)
+        if found is None:
+            raise ParallelModuleError(
+                f"the generated code gathers the ZeRO stage-3 unit {unit!r}, which this "
+                f"rank's reducers do not hold (they hold {sorted(self.units)}): the file "
+                f"and the module's compute config disagree; generate the code again"
+            )
+        return found
+
+    def enter(self, unit: str) -> None:
+        """Forward is about to read ``unit``'s parameters: gather it and wait."""
+        for r, b in self._unit(unit):
+            if b not in self._seen:
+                self._seen.append(b)
+            gather_unit(r, b)
+            wait_unit(b)
+
+    def start(self, unit: str) -> None:
+        """Forward reads ``unit`` next: start its gather (prefetch)."""
+        for r, b in self._unit(unit):
+            gather_unit(r, b, async_op=True)
+
+    def leave(self, unit: str) -> None:
+        """Forward ran the last statement that reads ``unit``: free it (unless kept)."""
+        for _, b in self._unit(unit):
+            self.release(b)
 
     def use_recompute(self, reducer: Reducer, bucket: Bucket) -> None:
         """Backward recomputes a checkpointed piece that reads ``bucket``'s parameters:
@@ -222,7 +246,7 @@ class Zero3Runner:
         def run(*args: Any, **kwargs: Any) -> Any:
             if self._in_forward:
                 return fn(*args, **kwargs)
-            with _GatherMode(self, recompute=True):
+            with _GatherMode(self):
                 return fn(*args, **kwargs)
 
         return run
@@ -263,13 +287,13 @@ class Zero3Runner:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """Run a forward of the generated code: gather units as they are used, save
-        parameters for backward as references to their unit, free all at the end."""
-        self._seen, self._current, self._backward_at = [], None, None
+        """Run a forward of the generated code (which gathers and frees its units, see
+        `gather`): save parameters for backward as references to their unit, and free
+        what is still gathered at the end."""
+        self._seen, self._backward_at = [], None
         self._in_forward = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                    _GatherMode(self):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._in_forward = False
@@ -328,3 +352,37 @@ def kept_gathered(pm: ParallelModule) -> Iterator[None]:
         runner.keep = prev
         if not prev:
             runner.free_all()
+
+
+# -- what the generated forward calls ---------------------------------------------------
+def _runner(pm: ParallelModule) -> Zero3Runner | None:
+    return getattr(pm, "_zero3", None)
+
+
+@outside_compiled
+def gather(pm: ParallelModule, unit: str) -> None:
+    """All-gather the parameters of ``unit`` over its ZeRO group (or wait for its
+    prefetch): the generated forward calls it before the first statement that reads them.
+    Nothing to do in a module without stage-3 reducers (an inference-only module)."""
+    runner = _runner(pm)
+    if runner is not None:
+        runner.enter(unit)
+
+
+@outside_compiled
+def prefetch(pm: ParallelModule, unit: str) -> None:
+    """Start gathering ``unit`` (asynchronous; `gather` waits for it): the generated
+    forward calls it as it gathers the unit before, so the two can overlap."""
+    runner = _runner(pm)
+    if runner is not None:
+        runner.start(unit)
+
+
+@outside_compiled
+def free(pm: ParallelModule, unit: str) -> None:
+    """Drop the values of ``unit``'s parameters (the rank keeps its shard): the generated
+    forward calls it after the last statement that reads them, before it moves on to
+    another unit. Inside `kept_gathered` the unit stays gathered."""
+    runner = _runner(pm)
+    if runner is not None:
+        runner.leave(unit)

@@ -158,7 +158,8 @@ ZERO_STEPS = 6
 
 
 def _zero_worker(rank, world, tmp):
-    """ddp, then the strategy with ZeRO stages 2 and 3, each ``ZERO_STEPS`` steps of Adam
+    """ddp, then the strategy with ZeRO stages 2, 3 and 'auto' (under autodist, which
+    chooses the stage), each ``ZERO_STEPS`` steps of Adam
     from the same weights on the same shards: the losses agree, and the checkpoint folder
     of each stage merges into the ddp model's weights."""
     from nnscaler import ComputeConfig
@@ -175,16 +176,18 @@ def _zero_worker(rank, world, tmp):
     ddp = LitAdam()
     _trainer("ddp", ZERO_STEPS, tmp, enable_progress_bar=False).fit(ddp, loader())
     out = {}
-    for stage in (2, 3):
+    for stage in (2, 3, "auto"):  # 'auto': autodist chooses the stage
         ours = LitAdam()
         strategy = NnScalerStrategy(
             compute_config=ComputeConfig(plan_ngpus=1, runtime_ngpus=2, zero_stage=stage),
-            pas_policy="dp", gen_savedir=os.path.join(tmp, f"gen{stage}"))
+            pas_policy="autodist" if stage == "auto" else "dp",
+            gen_savedir=os.path.join(tmp, f"gen{stage}"))
         trainer = _trainer(strategy, ZERO_STEPS, tmp, enable_progress_bar=False)
         trainer.fit(ours, loader())
         torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(ddp.losses),
                                    rtol=1e-5, atol=1e-6)
-        assert ours.model.reducers[0].stage == stage
+        chosen = ours.model.reducers[0].stage
+        assert chosen == stage or (stage == "auto" and chosen in (0, 1, 2, 3))
         path = os.path.join(tmp, f"zero{stage}.ckpt")
         trainer.save_checkpoint(path)
         merged, _ = merge_checkpoint(path)
@@ -197,6 +200,6 @@ def _zero_worker(rank, world, tmp):
     return out
 
 
-def test_lightning_strategy_with_zero_stages_2_and_3(tmp_path):
-    expected = {2: ZERO_STEPS, 3: ZERO_STEPS}
+def test_lightning_strategy_with_zero_stages_2_3_and_auto(tmp_path):
+    expected = {2: ZERO_STEPS, 3: ZERO_STEPS, "auto": ZERO_STEPS}
     assert run_distributed(_zero_worker, 2, str(tmp_path), timeout=600) == [expected] * 2

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from parity_utils import check_zero3_header
 
 from .common import ADAM, Case, check_pieces, make_model, reference_train, samples
 
@@ -106,6 +107,8 @@ def _worker(rank, world, case: Case, gen_savedir: str):
             nchecked += 1
     if case.recompute:  # the blocks ran through checkpoint, gathering in backward
         assert [n for n in vars(pm) if n.startswith("_recompute_")]
+    if case.zero_stage == 3:  # the file lists the shards the buckets hold
+        check_zero3_header(pm)
     if case.zero_stage == 3:  # outside forward and backward no unit holds its values
         for reducer in pm.reducers:
             for bucket in reducer.buckets:

@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dist_utils import run_distributed  # noqa: E402
-from parity_utils import ATOL, RTOL, check_parity  # noqa: E402, F401  (re-exported to tests)
+from parity_utils import ATOL, RTOL, check_parity, check_zero3_header  # noqa: E402, F401  (re-exported to tests)
 
 from nnscaler.codegen import emit_files, load_generated_class  # noqa: E402
 from nnscaler.graph import IRGraph  # noqa: E402
@@ -200,6 +200,8 @@ def _worker(rank: int, world: int, outdir: str, data: list, plan_ngpus: int,
     torch.manual_seed(0)
     cls = load_generated_class(outdir, rank)
     m = cls(init_params=True)
+    if m.reducer_config.get("zero_stage", 0) >= 3:
+        check_zero3_header(m)  # the file's list of shards is what the buckets hold
     unit = rank // plan_ngpus
     opt = torch.optim.SGD(m.parameters_for_optimizer(), lr=LR, momentum=MOMENTUM)
     losses, raw, synced, times = [], {}, {}, []

@@ -1,17 +1,21 @@
 """ZeRO stage 3 under a pipeline (2 stages on 2 processes, 1F1B): what is gathered per
 micro-batch, that each stage-3 unit's gradients are reduce-scattered once per step (in
 the last micro-batch's backward), and `kept_gathered`, which gathers each unit once per
-step instead. The 4-process parity run (pp x dp) is in test_pipeline_parity.py."""
+step instead. The 4-process parity run (pp x dp, 1F1B) is in test_pipeline_parity.py;
+here pp x dp under GPipe, and pp x tp x dp under ``hybrid`` (8 processes:
+NNSCALER_SLOW_TESTS=1)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
+import pytest
 from dist_utils import run_distributed
 from pipeline_helpers import config, generate, micro_batches, plan, run_parity
 
 from nnscaler.codegen import load_generated_class
-from nnscaler.policies import pp
+from nnscaler.policies import hybrid, pp
 
 NMICROS = 4
 
@@ -61,10 +65,11 @@ def test_stage3_reduces_once_per_step_and_gathers_per_micro_batch(tmp_path):
                           zero_stage=3, pas_config={"pipeline_nmicros": NMICROS,
                                                     "pipeline_scheduler": "1f1b"})
     outdir = generate(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
-    head = " ".join((outdir / "gencode0.py").read_text().split('"""')[1].split())
-    assert "ZeRO stage 3: this rank holds 1/1 (its shard)" in head
-    assert "Held whole, as in stage 2 (several stages or devices of the pipeline hold " \
-           "them): gpt_wte_weight." in head  # the embedding tied to the last stage's head
+    head = (outdir / "gencode0.py").read_text().split('"""')[1]
+    assert "ZeRO stage 3: this rank holds a shard of each parameter piece below" in head
+    # the embedding tied to the last stage's head
+    whole = head.split("Held whole, as in stage 2", 1)[1].split("\n\n", 1)[0]
+    assert whole.split(":", 1)[1].split() == ["gpt_wte_weight", "(32,", "16)"]
     data = [micro_batches("gpt", 1, NMICROS)[0]]
     results = run_distributed(_worker, 2, str(outdir), data)
     for rank, res in enumerate(results):
@@ -93,3 +98,24 @@ def test_stage3_parity_interleaved_with_recompute(tmp_path):
     run_parity(tmp_path, "gpt", graph, cfg)
     src = (tmp_path / "gen" / "gencode0.py").read_text()
     assert src.count("torch.utils.checkpoint.checkpoint(") == 2  # blocks 0 and 2
+
+
+def test_stage3_parity_under_gpipe_with_data_parallel(tmp_path):
+    """GPipe (every forward, then every backward): pp 2 x dp 2 on 4 processes; each
+    stage's units are sharded over its 2 replicas, freed between the forwards."""
+    cfg = config(2, 4, pipeline_nmicros=4, pipeline_scheduler="gpipe")
+    cfg.use_zero, cfg.zero_stage = True, 3
+    run_parity(tmp_path, "gpt", plan("gpt", pp, cfg), cfg)
+
+
+@pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
+                    reason="slow (8 processes): set NNSCALER_SLOW_TESTS=1")
+def test_stage3_parity_under_hybrid_with_data_parallel(tmp_path):
+    """hybrid: 2 stages x 2-way tensor parallel x 2 scale units (8 processes): each
+    stage's pieces sharded over their 2 replicas; a piece both devices of a stage hold
+    keeps stage 2's layout (docs/zero.md, With pipelines)."""
+    cfg = config(4, 8, pipeline_nstages=2, pipeline_nmicros=4, pipeline_scheduler="1f1b")
+    cfg.use_zero, cfg.zero_stage = True, 3
+    results = run_parity(tmp_path, "gpt", plan("gpt", hybrid, cfg), cfg)
+    assert any(meta.index != tuple((0, n) for n in meta.shape)
+               for res in results for meta in res["fullmap"].values())  # tp pieces

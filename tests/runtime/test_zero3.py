@@ -56,12 +56,15 @@ def test_the_generated_file_says_what_the_rank_holds(tmp_path):
     import inspect
 
     pm = _parallel(tmp_path)
-    text = " ".join(inspect.getsource(type(pm)).split())  # unwrapped
-    head = " ".join(open(inspect.getfile(type(pm))).read().split('"""')[1].split())
-    assert "ZeRO stage 3: this rank holds 1/1 (its shard) of these parameters" in head
-    assert "gpt.blocks.0: gpt_blocks_0_ln_1_weight," in head
-    assert "the rest: gpt_wte_weight" in head
-    assert "zero_stage" in text
+    src = open(inspect.getfile(type(pm))).read()
+    head = src.split('"""')[1]
+    assert "ZeRO stage 3: this rank holds a shard of each parameter piece below" in head
+    assert "    unit gpt.blocks.0, sharded over ranks [0]:\n" \
+           "        gpt_blocks_0_ln_1_weight (16,): [0, 16) of 16\n" in head
+    assert "        gpt_wte_weight (32, 16): [0, 512) of 512\n" in head
+    # the forward gathers each unit before its first reader
+    assert "        zero3.gather(self, 'gpt.blocks.0')\n" \
+           "        zero3.prefetch(self, 'gpt.blocks.1')\n" in src
 
 
 def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
@@ -91,9 +94,9 @@ def test_few_units_hold_values_at_a_time(tmp_path, monkeypatch):
         assert all(b.param_buffer.untyped_storage().nbytes() == 0 for b in buckets)
     assert len(most) > 2 * len(buckets) and max(most) <= 3, most
     blocks = [f"gpt.blocks.{i}" for i in range(4)]
-    # every block but the first is prefetched in forward, every block but the last in
-    # backward (the rest unit comes first in forward: nothing prefetches it)
-    assert sorted(prefetched) == sorted(blocks[1:] + blocks[:-1]), prefetched
+    # every block is prefetched in forward (the first by the rest unit's gather: the
+    # generated code knows the order), every block but the last in backward
+    assert sorted(prefetched) == sorted(blocks + blocks[:-1]), prefetched
     with gathered(pm):
         assert all(p.untyped_storage().nbytes() > 0 for p in pm.parameters())
     assert pm.state_dict()["gpt_wte_weight"].abs().sum() > 0  # saved values, not freed
@@ -158,3 +161,28 @@ def test_kept_gathered_gathers_each_unit_once_and_trains_the_same(tmp_path, monk
     assert runs[0][0] == runs[1][0]
     for name, w in runs[0][1].items():
         assert torch.equal(w, runs[1][1][name]), name
+
+
+def test_the_generated_gathers_are_the_mechanism(tmp_path, monkeypatch):
+    """Forward gathers nothing but what the generated zero3 calls gather: a statement that
+    read a unit whose gather is skipped fails (its storage is empty) instead of reading
+    stale values; a unit the rank does not hold is a ParallelModuleError."""
+    from nnscaler.errors import ParallelModuleError
+
+    pm = _parallel(tmp_path)
+    batch = make_batch(CONFIG, 2, seed=1)
+    real = zero3.Zero3Runner.enter
+
+    def skipping(self, unit):
+        if unit != "gpt.blocks.2":
+            real(self, unit)
+
+    monkeypatch.setattr(zero3.Zero3Runner, "enter", skipping)
+    monkeypatch.setattr(zero3.Zero3Runner, "start", lambda self, unit: None)
+    with pytest.raises(RuntimeError, match="storage|not allocated"):
+        pm(batch)
+    monkeypatch.undo()
+    pm(batch).backward()  # as generated: fine
+    with pytest.raises(ParallelModuleError, match=r"unit 'gpt.blocks.9', which this rank's "
+                                                  r"reducers do not hold"):
+        zero3.gather(pm, "gpt.blocks.9")
