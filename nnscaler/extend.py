@@ -14,7 +14,7 @@ under ``plugins/``. The names, by what a plugin does with them:
   `TensorKind`, `tensors_in`, `layer_path`, `repeated_blocks`), the configuration
   (`ComputeConfig`, `PipelineConfig`, `as_compute_config`, `policy_config`,
   `as_policy_graph`, `AUTO`, `DEFAULT_SCHEDULER`, `DEFAULT_BUCKET_CAP_MB`), the costs a
-  search weighs (`op_work`, `op_layouts`, `part_piece`, `replicated`), work handed to
+  search weighs (`op_work`, `op_layouts`, `layout_of`, `part_piece`, `replicated`), work handed to
   every rank (`call_on_every_rank`, `map_over_ranks`), the schedules (`get_schedule`),
   experts (`is_moe`, `require_moe_layers`, `expert_transform`, `ffn_transform`), the
   sequence split of context parallelism (`split_sequence`; `token_split` offers a mean
@@ -67,7 +67,7 @@ from nnscaler.ops.user_ops import make_recording_wrapper
 from nnscaler.parallel import call_on_every_rank, map_over_ranks
 from nnscaler.plugins import get_plugin_manager
 from nnscaler.policies.common import as_policy_graph, policy_config
-from nnscaler.policies.costs import op_layouts, op_work, part_piece, replicated
+from nnscaler.policies.costs import layout_of, op_layouts, op_work, part_piece, replicated
 from nnscaler.policies.experts import (
     expert_transform,
     ffn_transform,
@@ -126,6 +126,7 @@ __all__ = [
     "layer_path",
     "make_recording_wrapper",
     "map_over_ranks",
+    "layout_of",
     "op_layouts",
     "op_work",
     "part_piece",

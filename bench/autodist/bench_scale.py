@@ -15,7 +15,7 @@ code generation of 40 x 3 checkpointed pieces per rank); goal under 15 s.
 Usage::
 
     python bench/autodist/bench_scale.py [--layers 80] [--plan-ngpus 64|auto]
-        [--runtime-ngpus 1024] [--batch 1] [--seq 4096] [--profile PATH]
+        [--runtime-ngpus 1024] [--batch 1] [--seq 4096] [--profile PATH] [--no-two-axis]
     python bench/autodist/bench_scale.py --model gpt18b --recompute
 
 ``--batch`` sequences of ``--seq`` tokens are the traced batch (what one scale unit
@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="PATH", help="also write a cProfile of parallelize")
     ap.add_argument("--model", choices=("llama70b", "gpt18b"), default="llama70b")
     ap.add_argument("--recompute", action="store_true", help="recompute every layer")
+    ap.add_argument("--no-two-axis", action="store_true",
+                    help="leave out two-axis (data x tensor) splits inside a stage")
     args = ap.parse_args()
     if args.model == "gpt18b":
         for name, default, value in (("layers", 80, 40), ("plan_ngpus", 64, 8),
@@ -188,6 +190,8 @@ def main() -> None:
         block = "LlamaDecoderLayer"
     if args.recompute:
         pas["recompute_modules"] = block
+    if args.no_two_axis:
+        pas["two_axis"] = False
     params = sum(p.numel() for p in model.parameters())
     built = time.perf_counter() - t0
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
@@ -246,6 +250,7 @@ def main() -> None:
                       "recompute": args.recompute, "layers": args.layers, "params": params,
                       "plan_ngpus": args.plan_ngpus, "runtime_ngpus": args.runtime_ngpus,
                       "batch": args.batch, "seq": args.seq, "planned": not failed,
+                      "two_axis": not args.no_two_axis,
                       "parallelize_s": round(seconds, 1), "phases_s": phases,
                       "phases_cpu_s": {k: round(v, 2) for k, v in clock.cpu.items()},
                       "files": len(files), "bytes": written,

@@ -42,6 +42,8 @@ KEYS: dict[str, str] = {
     "save_plan_path": "where to write the JSON plan that was chosen",
     "solver": "'auto', 'ilp' or 'dp'",
     "max_partition_degree": "the largest tensor-parallel degree of a stage",
+    "two_axis": "also split an op on two axes at once inside a stage, data x tensor "
+                "(True or False; default True)",
     "device_type": "plan for a named device ('cpu', 'H100', 'A100', ...) instead of this one",
     "devices_per_node": "devices in each node (default: the device's own figure, 8 for a "
                         "named GPU): collectives inside a node run at its bandwidth, across "
@@ -89,6 +91,7 @@ class AutoDistConfig:
     save_plan_path: Path | None = None
     solver: str = "auto"
     max_partition_degree: int | None = None
+    two_axis: bool = True
     device_type: str | None = None
     devices_per_node: int | None = None
     profile_dir: Path = attrs.field(factory=default_profile_dir)
@@ -180,10 +183,11 @@ def parse_config(pas_config: Mapping[str, Any] | None,
     out.update(_device_keys(cfg))
     if cfg.get("profile_dir") is not None:
         out["profile_dir"] = _path("profile_dir", cfg["profile_dir"])
-    verbose = cfg.get("verbose", False)
-    if not isinstance(verbose, bool):
-        raise _bad("verbose", verbose, "True or False")
-    out["verbose"] = verbose
+    for key, default in (("verbose", False), ("two_axis", True)):
+        value = cfg.get(key, default)
+        if not isinstance(value, bool):
+            raise _bad(key, value, "True or False")
+        out[key] = value
     return AutoDistConfig(**out, **_nnscaler_keys(cfg))
 
 

@@ -3,7 +3,9 @@
 The file is a list of entries; each selects ops by ``module`` (a module path prefix or a
 glob, as [`nnscaler.graph.IRGraph.select`][nnscaler.IRGraph.select] reads it) and/or ``name`` (the
 op's name, full or its last part, or a glob), and lists the choices they may take in ``splits``:
-``replicate``, or ``"idx,dim"`` (split input ``idx`` along dim ``dim``)::
+``replicate``, ``"idx,dim"`` (split input ``idx`` along dim ``dim``), or ``"idx,dim x
+idx,dim"`` (a two-axis split, `nnscaler_policy_autodist.twoaxis`: the data split of the
+op, then the split of its parts, in every factor pair of the stage's devices)::
 
     - module: gpt.blocks.*.mlp.fc
       name: linear
@@ -34,15 +36,19 @@ class ConstraintError(AutoDistError):
     """The partition constraints file is malformed or names what the model lacks."""
 
 
-def _split(text: Any, where: str) -> tuple[int, int] | str:
+def _split(text: Any, where: str) -> tuple | str:
     if text == "replicate":
         return "replicate"
     try:
-        idx, dim = (int(p) for p in str(text).split(","))
+        halves = [tuple(int(p) for p in half.split(",")) for half in str(text).split("x")]
+        if len(halves) > 2 or any(len(h) != 2 for h in halves):
+            raise ValueError
     except ValueError:
         raise ConstraintError(f"{where}: the split {text!r} must be 'replicate' or "
-                              f"'idx,dim' (e.g. '1,0': input 1 along dim 0)") from None
-    return idx, dim
+                              f"'idx,dim' (e.g. '1,0': input 1 along dim 0), or "
+                              f"'idx,dim x idx,dim' (a two-axis split: the data split, "
+                              f"then its parts' split, e.g. '0,0 x 1,0')") from None
+    return halves[0] if len(halves) == 1 else (halves[0], halves[1])
 
 
 def load_constraints(path: Path | None, graph: IRGraph) -> dict[int, set]:

@@ -3,7 +3,8 @@ cost of every producer -> consumer edge for each pair of options.
 
 A stage of ``k`` devices runs each op either replicated on all ``k`` or split in ``k``
 parts by one transform of its transform space (``op.anno.transform_space(k)`` with its
-op's rules), part ``p`` on device ``p``. For an option the model knows, per device:
+op's rules, one option per split), part ``p`` on device ``p``, or on two axes, data x
+tensor (`nnscaler_policy_autodist.twoaxis`). For an option the model knows, per device:
 
 - ``time``: the part's forward and backward time (`profile`), the forward again
   when the op is recomputed; plus the collectives its parts run among themselves (a
@@ -60,6 +61,7 @@ from nnscaler.extend import (
     replicated,
     tensors_in,
 )
+from nnscaler_policy_autodist import twoaxis
 from nnscaler_policy_autodist.comm import CommModel
 from nnscaler_policy_autodist.profile import ComputeProfiler
 from nnscaler_policy_autodist.sequence import (
@@ -69,6 +71,7 @@ from nnscaler_policy_autodist.sequence import (
     sequence_transient,
     usable,
 )
+from nnscaler_policy_autodist.twoaxis import TwoAxis, two_axis_transforms
 
 __all__ = ["CostModel", "Edge", "Option", "StageProblem"]
 
@@ -79,7 +82,7 @@ logger = logging.getLogger("nnscaler.autodist.model")  # under nnscaler's logger
 class Option:
     """One way to run an op: ``transform`` (``None``: replicated) over ``k`` devices."""
 
-    transform: Transform | None
+    transform: Transform | TwoAxis | None
     reads: tuple[tuple[FullTensor, Layout | None, bool], ...]
     writes: tuple[tuple[FullTensor, Layout | None], ...]
     #: seconds per device and micro-batch, forward + backward (+ recompute), and the
@@ -99,6 +102,8 @@ class Option:
         return self.compute + self.comm
 
     def describe(self) -> str:
+        if isinstance(self.transform, TwoAxis):
+            return self.transform.describe()
         return "replicate" if self.transform is None else (
             f"split input {self.transform.idx} dim {self.transform.dim} "
             f"({self.transform.ident!r}) in {self.transform.num}"
@@ -127,6 +132,16 @@ class StageProblem:
     k: int
 
 
+def _same_split(t: Transform) -> tuple | None:
+    """What makes two transforms the same split: the transform space names a split by
+    every tensor that carries its identifier (a linear's input columns and its weight's),
+    and those differ only in ``(idx, dim)``, unless a rule's modifier reads them
+    (``None``: not comparable)."""
+    if t.modifier is not None:
+        return None
+    return (t.ident, t.inputs, t.outputs, t.kwarg_updates, t.part_op)
+
+
 def _is_weight(full: FullTensor) -> bool:
     return full.is_leaf and full.kind is not TensorKind.INPUT
 
@@ -139,7 +154,8 @@ class CostModel:
                  allowed: dict[int, set] | None = None, max_degree: int | None = None,
                  micro_batches: int = 1, share: float = 1.0,
                  overlap_grads: bool = False, unit: int | None = None,
-                 zero_stage: int | None = None, parts: PartTimes | None = None) -> None:
+                 zero_stage: int | None = None, parts: PartTimes | None = None,
+                 two_axis: bool = True) -> None:
         self.profiler = profiler
         #: the measured times of the sequence splits whose parts talk (`sequence`)
         self.parts = parts
@@ -160,20 +176,32 @@ class CostModel:
         #: the reducer sums gradients while backward runs (``async_op``, ZeRO stage 2+)
         self.overlap_grads = overlap_grads
         self.unit = unit  # devices of a scale unit (plan_ngpus), for the node layout
+        self.two_axis = two_axis  # also data x tensor splits of an op (`twoaxis`)
+        self._two: dict[tuple[Op, int], list[TwoAxis]] = {}  # asked again for every stage
+        self._layouts: dict = {}  # of the two-axis options (`twoaxis.layouts`)
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 
     # -- options ------------------------------------------------------------------------
-    def transforms(self, op: Op, k: int) -> list[Transform | None]:
-        """Replication and every split of ``op`` in ``k`` parts its constraints allow."""
+    def transforms(self, op: Op, k: int) -> list[Transform | TwoAxis | None]:
+        """Replication, every split of ``op`` in ``k`` parts and every two-axis split
+        (`twoaxis`) its constraints allow."""
         allowed = self.allowed.get(op.oid)
         out: list[Transform | None] = []
         if allowed is None or "replicate" in allowed:
             out.append(None)
         if k > 1 and op.anno is not None and op.opdef is not None and not op.opdef.collective \
                 and (self.max_degree is None or k <= self.max_degree):
+            seen: set = set()
             for t in op.anno.transform_space(k, rules=op.opdef.rules_for(op.anno)):
                 if (allowed is None or (t.idx, t.dim) in allowed) and usable(op, t, k):
-                    out.append(t)
+                    same = _same_split(t)
+                    if same is None or same not in seen:  # one option per split
+                        seen.add(same)
+                        out.append(t)
+            if self.two_axis:  # after the one-axis splits: their indices do not move
+                if (op, k) not in self._two:
+                    self._two[op, k] = two_axis_transforms(op, k, self._layouts)
+                out += [t for t in self._two[op, k] if twoaxis.allowed(t, allowed)]
         if not out:  # constraints that leave nothing: replicate (reported by the caller)
             out.append(None)
         return out
@@ -194,7 +222,8 @@ class CostModel:
 
     def option(self, op: Op, t: Transform | None, k: int, first_reader: dict[FullTensor, Op],
                outputs: set[FullTensor], produced: set[FullTensor]) -> Option:
-        reads, writes = op_layouts(op, t, k)
+        reads, writes = twoaxis.layouts(op, t, self._layouts) if isinstance(t, TwoAxis) \
+            else op_layouts(op, t, k)
         got = self.parts.time(op, t, k) if self.parts is not None else None
         fw, bw = got if got is not None else self.profiler.time(op, t, k)
         grads = not op.no_grad and any(g for _, _, g in reads)
@@ -383,15 +412,21 @@ class CostModel:
                         rep[index[op]] = index[insts[1].ops[p]]
         options: list[tuple[Option, ...] | None] = [None] * len(ops)
         produced = set(producer)
+        written: dict[FullTensor, set[Layout | None]] = {}  # by two-axis options
         for i, op in enumerate(ops):
             template = options[src[i]] if src[i] != i else None  # solved first: earlier
             if template is not None and self._same_weights_role(op, ops[src[i]], first_reader):
                 options[i] = self._retarget(template, op, k)
-                continue
-            options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
-                               for t in self.transforms(op, k))
-            if rep[i] != i and len(options[i]) != len(options[rep[i]]):
-                rep[i] = i
+            else:
+                options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
+                                   for t in self.transforms(op, k)
+                                   if twoaxis.continues(op, t, written, self._layouts))
+                if rep[i] != i and len(options[i]) != len(options[rep[i]]):
+                    rep[i] = i
+            for o in options[i]:
+                if isinstance(o.transform, TwoAxis):
+                    for full, lay in o.writes:
+                        written.setdefault(full, set()).add(lay)
         for i in range(len(ops)):  # a choice taken from an op whose options differ: its own
             if rep[i] != i and len(options[i]) != len(options[rep[i]]):
                 rep[i] = i

@@ -26,6 +26,7 @@ from nnscaler_policy_autodist.config import AutoDistError
 from nnscaler_policy_autodist.model import CostModel, StageProblem
 from nnscaler_policy_autodist.pipeline import PipelinePlan, replay_solutions, stages_time
 from nnscaler_policy_autodist.spmd import Solution
+from nnscaler_policy_autodist.twoaxis import TwoAxis, aliases
 
 if TYPE_CHECKING:
     from nnscaler_policy_autodist.policy import AutoDistResult
@@ -41,7 +42,18 @@ class PlanFileError(AutoDistError):
 
 
 def _choice(t: Any) -> Any:
+    if isinstance(t, TwoAxis):  # an entry older files never hold: their choices stay
+        return t.choice()
     return "replicate" if t is None else {"idx": t.idx, "dim": t.dim}
+
+
+def _names(t: Any, want: Any) -> bool:
+    """Whether a one-axis ``want`` (``{"idx", "dim"}``) names the split ``t`` through
+    another tensor it cuts: the search keeps one option per split (a linear's input
+    columns are its weight's), a file may name it by either."""
+    if t is None or isinstance(t, TwoAxis) or not isinstance(want, dict) or "then" in want:
+        return False
+    return (want.get("idx"), want.get("dim")) in aliases(t)
 
 
 def to_json(result: AutoDistResult) -> dict[str, Any]:
@@ -167,7 +179,7 @@ def replay(path: Path, graph: IRGraph, ops: Sequence[Op], n: int, model: CostMod
         for j, op in enumerate(stage_ops):
             want = entries[bounds[s] + j].get("split")
             for o, opt in enumerate(problem.options[j]):
-                if _choice(opt.transform) == want:
+                if _choice(opt.transform) == want or _names(opt.transform, want):
                     picked.append(o)
                     break
             else:

@@ -36,6 +36,7 @@ from nnscaler.extend import (
     policy_config,
     repeated_blocks,
 )
+from nnscaler_policy_autodist import twoaxis
 from nnscaler_policy_autodist.comm import (
     CommModel,
     DeviceSpec,
@@ -63,6 +64,7 @@ from nnscaler_policy_autodist.pipeline import (
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
 from nnscaler_policy_autodist.sequence import PartTimes, planning
 from nnscaler_policy_autodist.spmd import NoPlanFits, Solution
+from nnscaler_policy_autodist.twoaxis import TwoAxis
 from nnscaler_policy_autodist.zero import StageEstimate, choose_stage
 
 __all__ = ["AutoDistResult", "autodist", "plan_graph"]
@@ -381,6 +383,7 @@ def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, A
                                  zero=z >= 1, zero_stage=z,
                                  recompute=recompute, allowed=allowed,
                                  max_degree=cfg.max_partition_degree,
+                                 two_axis=cfg.two_axis,
                                  micro_batches=nmicros * cfg.update_freq,
                                  share=core_share() if here else 1.0,
                                  overlap_grads=_reduces_in_backward(config, z), unit=n,
@@ -435,6 +438,10 @@ def _apply(g: IRGraph, pipe: PipelinePlan, problems: list[StageProblem],
         base = s * problem.k
         for i, (op, choice) in enumerate(zip(problem.ops, sol.choice)):
             t = problem.options[i][choice].transform
+            if isinstance(t, TwoAxis):  # legal by construction: a failure is raised
+                for p, part in enumerate(twoaxis.apply(g, op, t)):
+                    g.assign(part, base + p)
+                continue
             try:
                 parts = (g.replicate(op, problem.k) if t is None else
                          g.partition(op, idx=t.idx, dim=t.dim, num=problem.k))

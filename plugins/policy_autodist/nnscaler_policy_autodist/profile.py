@@ -50,6 +50,7 @@ from nnscaler.extend import (
 )
 from nnscaler_policy_autodist.analytic import analytic_time, mark_strided
 from nnscaler_policy_autodist.comm import DeviceSpec
+from nnscaler_policy_autodist.twoaxis import part_call
 
 __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
            "analytic_time", "core_share", "device_key", "measure_adam", "run_job"]
@@ -341,9 +342,10 @@ class ComputeProfiler:
             opdef = get_plugin_manager().ops.get(t.part_op)
         if opdef.collective:
             return None
-        inputs = [part_piece(x, t.inputs[k], num, 0) if isinstance(x, SubTensor)
-                  and t is not None else x for k, x in enumerate(op.inputs)]
-        kwargs = dict(op.kwargs) if t is None else op.opdef.part_kwargs(t, op.kwargs, 0)
+        if t is None:
+            inputs, kwargs = list(op.inputs), dict(op.kwargs)
+        else:  # part 0 (of a two-axis split too: `twoaxis.part_call`)
+            inputs, kwargs = part_call(op, t, num, 0)
         size = _bytes(op) // num
         scale = 1
         if size > self.max_bytes:
