@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nnscaler.checkpoint.collective import agree, gather, world
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
+from nnscaler.checkpoint.shards import ShardCatalog
 from nnscaler.errors import CheckpointError
 from nnscaler.gendir import FULLMODEL
 from nnscaler.runtime.state import (
@@ -46,6 +47,7 @@ from nnscaler.runtime.state import (
     unheld_names,
 )
 from nnscaler.runtime.zero3 import gathered
+from nnscaler.runtime.zero3_state import SECTION
 
 __all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
 
@@ -153,6 +155,7 @@ class _Catalog:
         self.entries: dict[str, _Entry] = {}
         self.alias: dict[str, str] = {}
         self.order: list[str] = []
+        self.zero3 = ShardCatalog()
 
     def entry(self, names: Sequence[str], shape: Sequence[int], dtype: torch.dtype) -> _Entry:
         first = self.alias.get(names[0])
@@ -171,6 +174,7 @@ class _Catalog:
         for prefix in prefixes:
             extra = sd[prefix + EXTRA_KEY]
             check_format(extra, where)
+            in_shards = self.zero3.add(holder, prefix, extra)  # ZeRO stage 3
             for e in extra.get("manifest") or ():  # the original module's order
                 if e["kind"] == "parameter" or e["persistent"]:
                     self.entry([prefix + n for n in e["names"]], e["shape"],
@@ -179,7 +183,9 @@ class _Catalog:
                 if not in_state_dict(rec):
                     continue
                 key = prefix + rec["attr"]
-                if key not in sd:
+                if rec["attr"] in in_shards:
+                    key = in_shards[rec["attr"]]
+                elif key not in sd:
                     if extra.get("deduped"):
                         continue  # another rank's file keeps it
                     raise CheckpointError(f"{where} lacks {key!r}, which its own metadata "
@@ -275,6 +281,7 @@ class RankFilesSource:
         self.catalog = _Catalog()
         for i, sd in enumerate(self.sds):
             self.catalog.add_state_dict(i, sd, self.where[i])
+        self.catalog.zero3.check(f"{len(self.sds)} files given")
 
     def names(self) -> list[str]:
         return self.catalog.names()
@@ -296,7 +303,17 @@ class RankFilesSource:
                 if path is not None and self.touched[i]:
                     self.sds[i] = _load_mmap(path)  # the old map goes with its last reference
                     self.touched[i] = 0
+        if self.catalog.zero3.owns(key):
+            return self.catalog.zero3.read(holder, key, self._shard)
         t = _lookup(self.sds[holder], key)
+        if self.paths[holder] is not None:
+            self.touched[holder] += t.nbytes
+        return t
+
+    def _shard(self, holder: int, prefix: str, pos: int) -> torch.Tensor:
+        """A ZeRO-3 shard of file ``holder``: the ``pos``-th record of its ``zero3``
+        section of the module under ``prefix``."""
+        t = self.sds[holder][prefix + EXTRA_KEY][SECTION][pos]["shard"]
         if self.paths[holder] is not None:
             self.touched[holder] += t.nbytes
         return t

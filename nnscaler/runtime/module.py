@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from nnscaler.config import ReducerConfig
 from nnscaler.errors import ParallelModuleError
 from nnscaler.gendir import FULLMODEL, gencode_name
+from nnscaler.runtime import zero3_state
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
 from nnscaler.runtime.partgroup import ProcessPartGroup
@@ -438,15 +439,33 @@ class ParallelModule(torch.nn.Module):
         from nnscaler.runtime.state import check_module_state_dict, refresh_zero_shards
 
         check_module_state_dict(self, state_dict, prefix, local_metadata)
+        section = zero3_state.section_of(state_dict.get(prefix + "_extra_state"))
+        if section is not None:  # stage-3 shards: no unit is gathered
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            held = {prefix + a for a in zero3_state.sharded_attrs(section)}
+            missing_keys[:] = [k for k in missing_keys if k not in held]
+            refresh_zero_shards(self)
+            zero3_state.load_shards(self, section, f"{type(self).__qualname__} (rank "
+                                                   f"{self.rank}).load_state_dict")
+            return
         with gathered(self):  # stage 3: the values land in the whole parameters
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
             refresh_zero_shards(self)
 
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        section = zero3_state.section_of(destination.get(prefix + "_extra_state"))
+        for attr in zero3_state.sharded_attrs(section):  # their values are in the shards
+            destination.pop(prefix + attr, None)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """``torch.nn.Module.state_dict``; with ZeRO stage 3 the units are gathered for
-        it and the parameters' values copied out."""
-        if self._zero3 is None:
+        it and the parameters' values copied out, except inside
+        `nnscaler.runtime.zero3_state.saving_shards` (what the checkpoint functions use),
+        where this rank's shards are saved instead and nothing is gathered."""
+        if self._zero3 is None or zero3_state.is_saving_shards(self):
             return super().state_dict(*args, **kwargs)
         with gathered(self):
             out = super().state_dict(*args, **kwargs)
