@@ -61,16 +61,14 @@ class _GatherSpy:
         monkeypatch.setattr(zero3, "gather_unit", spy)
 
 
-def _save(rank: int, world: int, gen: str, out: str, stage: int, ngroups: int = 1) -> dict:
-    pm = _gpt(world, stage, gen, f"s{stage}g{ngroups}", ngroups)
-    opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
-    _train(pm, opt, rank)
+def _save(pm, opt, rank: int, out: str, tag: str) -> dict:
+    """Save this rank's files under a spy on ``gather_unit``; what the test checks."""
     gathered_before = sum(b.gathered for r in pm.reducers for b in r.buckets)
     with pytest.MonkeyPatch.context() as mp:
         spy = _GatherSpy(mp)
         sd = ck.rank_state_dict(pm)
-        ck.save(sd, os.path.join(out, f"s{stage}g{ngroups}-model{rank}.pt"))
-        ck.save(opt.state_dict(), os.path.join(out, f"s{stage}g{ngroups}-opt{rank}.pt"))
+        ck.save(sd, os.path.join(out, f"{tag}-model{rank}.pt"))
+        ck.save(opt.state_dict(), os.path.join(out, f"{tag}-opt{rank}.pt"))
     gathered_after = sum(b.gathered for r in pm.reducers for b in r.buckets)
     return {"gathers": spy.count, "gathered": (gathered_before, gathered_after),
             "plain": pm.state_dict(), "loss": _loss(pm), "keys": sorted(sd)}
@@ -81,41 +79,55 @@ def _files(out: str, tag: str, world: int) -> tuple[list[str], list[str]]:
             [os.path.join(out, f"{tag}-opt{r}.pt") for r in range(world)])
 
 
-def _merged_state(pm, opt):
-    """This process's module and optimizer merged alone (one process: its own plan)."""
-    return ck.merge_state_dicts([ck.rank_state_dict(pm)], [opt.state_dict()])
-
-
-def _reshard_into(rank: int, world: int, gen: str, out: str) -> dict:
-    """Every stage's 2-process module loads the stage-3 files; the stage-3 module loads
-    the stage-0 files; per-rank load of a rank's own stage-3 file."""
-    files, opt_files = _files(out, "s3g1", 2)
-    got = {}
-    for stage in (0, 1, 2, 3):
-        pm = _gpt(world, stage, gen, f"into{stage}", init=False)
-        opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
-        nnscaler.load_resharded(pm, files, opt, opt_files)
-        _train(pm, opt, rank, steps=1)
-        got[stage] = ck.merge_state_dicts(*[list(x) for x in zip(*_all_gather(pm, opt))])
-    pm = _gpt(world, 3, gen, "from0", init=False)
-    opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
-    files0, opt_files0 = _files(out, "s0g1", 2)
-    nnscaler.load_resharded(pm, files0, opt, opt_files0)
-    got["from0"] = _loss(pm)
-    own = _gpt(world, 3, gen, "own", init=False)
-    own_opt = build_optimizer(own, torch.optim.Adam, **ADAM)
-    own.load_state_dict(ck.load(files[rank]))
-    own_opt.load_state_dict(ck.load(opt_files[rank]))
-    _train(own, own_opt, rank, steps=1)
-    got["own"] = ck.merge_state_dicts(*[list(x) for x in zip(*_all_gather(own, own_opt))])
-    return got
-
-
 def _all_gather(pm, opt):
     pair = (ck.rank_state_dict(pm), opt.state_dict())
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, pair)
     return out
+
+
+def _merged_everywhere(pm, opt):
+    """Every rank's state merged (what the whole plan holds now)."""
+    return ck.merge_state_dicts(*[list(x) for x in zip(*_all_gather(pm, opt))])
+
+
+def _run(rank: int, world: int, gen: str, out: str) -> dict:
+    """One launch: train stage 3, stage 0 and stage 3 with two ZeRO groups the same way
+    and save them; then load the stage-3 files into stages 0 to 3 (load_resharded), the
+    stage-0 files into stage 3, each rank's own stage-3 file (load_state_dict), and
+    stage-3 deduped files (load_deduped_state_dict)."""
+    got: dict = {}
+    for stage, ngroups in ((3, 1), (0, 1), (3, 2)):
+        tag = f"s{stage}g{ngroups}"
+        pm = _gpt(world, stage, gen, tag, ngroups)
+        opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+        _train(pm, opt, rank)
+        got[tag] = _save(pm, opt, rank, out, tag)
+        if tag == "s3g1":
+            sd, osd = nnscaler.deduped_state_dict(pm, opt)
+            ck.save(sd, os.path.join(out, f"dedup-model{rank}.pt"))
+            ck.save(osd, os.path.join(out, f"dedup-opt{rank}.pt"))
+    torch.distributed.barrier()
+    files, opt_files = _files(out, "s3g1", world)
+    for stage in (0, 1, 2, 3):
+        pm = _gpt(world, stage, gen, f"into{stage}", init=False)
+        opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+        nnscaler.load_resharded(pm, files, opt, opt_files)
+        got[f"into{stage}"] = _merged_everywhere(pm, opt)
+    # pm, opt: stage 3 now; load other files into it
+    nnscaler.load_resharded(pm, _files(out, "s0g1", world)[0])
+    got["from0"] = _loss(pm)
+    pm.load_state_dict(ck.load(files[rank]))
+    opt.load_state_dict(ck.load(opt_files[rank]))
+    got["own"] = _merged_everywhere(pm, opt)
+    dedup, dedup_opt = _files(out, "dedup", world)
+    with torch.no_grad():  # forget everything before loading the deduped files
+        for t in pm.parameters_for_optimizer():
+            t.zero_()
+    opt.state.clear()
+    nnscaler.load_deduped_state_dict(pm, ck.load(dedup[rank]), opt, ck.load(dedup_opt[rank]))
+    got["dedup"] = _merged_everywhere(pm, opt)
+    return got
 
 
 def _assert_equal(a: dict, b: dict) -> None:
@@ -137,85 +149,63 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero3ck")
     gen, out = str(root / "gen"), str(root / "out")
     os.makedirs(out)
-    s3 = run_distributed(_save, 2, gen, out, 3)
-    s0 = run_distributed(_save, 2, gen, out, 0)
-    return {"gen": gen, "out": out, "s3": s3, "s0": s0}
+    got = run_distributed(_run, 2, gen, out)
+    files, opt_files = _files(out, "s3g1", 2)
+    merged = ck.merge_state_dicts([ck.load(f) for f in files], [ck.load(f) for f in opt_files])
+    return {"gen": gen, "out": out, "got": got, "merged": merged}
 
 
 def test_saving_gathers_nothing_and_files_are_a_shard(saved):
-    for r in saved["s3"]:
-        assert r["gathers"] == 0
-        assert r["gathered"] == (0, 0)  # no unit holds values before or after
-        assert not any(k.startswith("gpt_blocks") for k in r["keys"])  # in the shards
+    for r in saved["got"]:
+        assert r["s3g1"]["gathers"] == 0
+        assert r["s3g1"]["gathered"] == (0, 0)  # no unit holds values before or after
+        assert not any(k.startswith("gpt_blocks") for k in r["s3g1"]["keys"])  # in shards
+        assert r["s0g1"]["gathers"] == 0 and any(k.startswith("gpt_blocks")
+                                                 for k in r["s0g1"]["keys"])
     sizes = {s: [os.path.getsize(f) for f in _files(saved["out"], f"s{s}g1", 2)[0]]
              for s in (0, 3)}
     for b0, b3 in zip(sizes[0], sizes[3]):
         assert b3 < 0.6 * b0, sizes  # ~1/2 of the parameters' bytes, plus metadata
 
 
-def test_merge_is_bitwise_the_gathered_state_dict(saved):
-    files, opt_files = _files(saved["out"], "s3g1", 2)
-    merged, merged_opt = ck.merge_state_dicts([ck.load(f) for f in files],
-                                              [ck.load(f) for f in opt_files])
-    gathered, _ = ck.merge_state_dicts([r["plain"] for r in saved["s3"]])
+def test_merge_is_bitwise_the_gathered_state_dict_and_stage0s(saved):
+    merged, merged_opt = saved["merged"]
+    gathered, _ = ck.merge_state_dicts([r["s3g1"]["plain"] for r in saved["got"]])
     _assert_equal(merged, gathered)
     files0, opt_files0 = _files(saved["out"], "s0g1", 2)
     merged0, merged_opt0 = ck.merge_state_dicts([ck.load(f) for f in files0],
                                                 [ck.load(f) for f in opt_files0])
     # the same run under stage 0: two replicas' gradients meet in one addition either
-    # way, and Adam is elementwise in fp32, so the weights agree bitwise
+    # way, and Adam is elementwise in fp32, so the state agrees bitwise
     _assert_equal(merged, merged0)
     _assert_opt_equal(merged_opt, merged_opt0)
     plain = GPTWithLoss(CONFIG)
     plain.load_state_dict(merged)
     with torch.no_grad():
-        torch.testing.assert_close(plain(make_batch(CONFIG, 2, seed=7)), saved["s3"][0]["loss"],
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(plain(make_batch(CONFIG, 2, seed=7)),
+                                   saved["got"][0]["s3g1"]["loss"], rtol=1e-5, atol=1e-6)
 
 
-def test_load_resharded_into_every_stage_and_back(saved):
-    got = run_distributed(_reshard_into, 2, saved["gen"], saved["out"])
-    ref = got[0][0]
-    for stage in (1, 2, 3):
-        _assert_equal(got[0][stage][0], ref[0])
-        _assert_opt_equal(got[0][stage][1], ref[1])
-    _assert_equal(got[0]["own"][0], ref[0])
-    _assert_opt_equal(got[0]["own"][1], ref[1])
-    for r in got:
-        assert torch.equal(r["from0"], saved["s0"][0]["loss"])
+def test_every_stage_loads_them_and_stage3_loads_the_others(saved):
+    merged, merged_opt = saved["merged"]
+    for r in saved["got"]:
+        for key in ("into0", "into1", "into2", "into3", "own", "dedup"):
+            _assert_equal(r[key][0], merged)
+            _assert_opt_equal(r[key][1], merged_opt)
+        assert torch.equal(r["from0"], saved["got"][0]["s0g1"]["loss"])
 
 
-def _dedup(rank: int, world: int, gen: str, out: str) -> dict:
-    pm = _gpt(world, 3, gen, "dedup")
-    opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
-    _train(pm, opt, rank)
-    sd, osd = nnscaler.deduped_state_dict(pm, opt)
-    ck.save(sd, os.path.join(out, f"dedup{rank}.pt"))
-    ck.save(osd, os.path.join(out, f"dedup-opt{rank}.pt"))
-    loss = _loss(pm)
-    again = _gpt(world, 3, gen, "dedup-again", init=False)
-    again_opt = build_optimizer(again, torch.optim.Adam, **ADAM)
-    nnscaler.load_deduped_state_dict(again, ck.load(os.path.join(out, f"dedup{rank}.pt")),
-                                     again_opt, ck.load(os.path.join(out, f"dedup-opt{rank}.pt")))
-    return {"loss": loss, "again": _loss(again)}
-
-
-def test_deduped_and_zero_ngroups_2(saved, tmp_path):
-    got = run_distributed(_dedup, 2, saved["gen"], str(tmp_path))
-    for r in got:
-        assert torch.equal(r["again"], r["loss"])
-    # two ZeRO groups of one rank: each rank holds the whole shard set, replicated
-    run_distributed(_save, 2, saved["gen"], saved["out"], 3, 2)
+def test_zero_ngroups_2_and_incomplete_files(saved, tmp_path):
+    # two ZeRO groups of one rank: each rank holds every shard, replicated
     files, opt_files = _files(saved["out"], "s3g2", 2)
     sd = ck.load(files[1])
     assert sd["_extra_state"]["zero3"][0]["zero_ngroups"] == 2
-    merged, merged_opt = ck.merge_state_dicts([ck.load(f) for f in files],
-                                              [ck.load(f) for f in opt_files])
-    one, one_opt = ck.merge_state_dicts([ck.load(files[1])], [ck.load(opt_files[1])])
+    merged, _ = ck.merge_state_dicts([ck.load(f) for f in files],
+                                     [ck.load(f) for f in opt_files])
+    one, _ = ck.merge_state_dicts([ck.load(files[1])], [ck.load(opt_files[1])])
     _assert_equal(merged, one)  # either group's files alone are the whole
+    _assert_equal(merged, saved["merged"][0])
     files3, _ = _files(saved["out"], "s3g1", 2)
-    merged1, _ = ck.merge_state_dicts([ck.load(f) for f in files3])
-    _assert_equal(merged, merged1)
     with pytest.raises(nnscaler.CheckpointError, match=r"ZeRO-3 shards \[1\] of 2"):
         ck.merge_state_dicts([ck.load(files3[0])])
     with pytest.raises(nnscaler.CheckpointError, match="ZeRO-3 shards"):
@@ -237,11 +227,10 @@ def _four(rank: int, world: int, gen: str, out: str) -> dict:
                     reason="4 processes: NNSCALER_SLOW_TESTS=1")
 def test_reshard_two_to_four_processes(saved):
     got = run_distributed(_four, 4, saved["gen"], saved["out"])
-    files, opt_files = _files(saved["out"], "s3g1", 2)
-    merged, merged_opt = ck.merge_state_dicts([ck.load(f) for f in files],
-                                              [ck.load(f) for f in opt_files])
+    merged, merged_opt = saved["merged"]
     _assert_equal(got[0][0], merged)
     _assert_opt_equal(got[0][1], merged_opt)
+    files, _ = _files(saved["out"], "s3g1", 2)
     sizes2 = [os.path.getsize(f) for f in files]
     sizes4 = [os.path.getsize(os.path.join(saved["out"], f"four{r}.pt")) for r in range(4)]
     assert max(sizes4) < 0.75 * min(sizes2)
@@ -250,7 +239,7 @@ def test_reshard_two_to_four_processes(saved):
 def test_hub_export_from_stage3_files(saved, tmp_path):
     """``save_pretrained`` from the stage-3 files writes the merged weights."""
     files, _ = _files(saved["out"], "s3g1", 2)
-    merged, _ = ck.merge_state_dicts([ck.load(f) for f in files])
+    merged = saved["merged"][0]
     ck.save_pretrained(files, tmp_path / "hub")
     from safetensors.torch import load_file
 
