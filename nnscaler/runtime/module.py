@@ -441,13 +441,14 @@ class ParallelModule(torch.nn.Module):
         check_module_state_dict(self, state_dict, prefix, local_metadata)
         section = zero3_state.section_of(state_dict.get(prefix + "_extra_state"))
         if section is not None:  # stage-3 shards: no unit is gathered
+            zero3_state.check_shards(self, section, f"{type(self).__qualname__} (rank "
+                                                    f"{self.rank}).load_state_dict")
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
             held = {prefix + a for a in zero3_state.sharded_attrs(section)}
             missing_keys[:] = [k for k in missing_keys if k not in held]
             refresh_zero_shards(self)
-            zero3_state.load_shards(self, section, f"{type(self).__qualname__} (rank "
-                                                   f"{self.rank}).load_state_dict")
+            zero3_state.load_shards(self, section)
             return
         with gathered(self):  # stage 3: the values land in the whole parameters
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from nnscaler.runtime.module import ParallelModule
     from nnscaler.runtime.reducer import Bucket, Reducer
 
-__all__ = ["SECTION", "bucket_key", "is_saving_shards", "load_shards", "saving_shards", "section_of",
+__all__ = ["SECTION", "bucket_key", "check_shards", "is_saving_shards", "load_shards", "saving_shards", "section_of",
            "shard_records", "sharded_attrs"]
 
 SECTION = "zero3"
@@ -117,9 +117,10 @@ def _layout(rec: Mapping[str, Any]) -> tuple[Any, ...]:
             int(rec["shard_numel"]), [tuple(m) for m in rec["members"]])
 
 
-def load_shards(pm: ParallelModule, section: Sequence[Mapping[str, Any]], where: str) -> None:
-    """Copy the shards of a state dict of ``pm``'s plan and rank into ``pm``'s buckets
-    (checked first: a shard of another layout is a `StateDictMismatchError`)."""
+def check_shards(pm: ParallelModule, section: Sequence[Mapping[str, Any]], where: str) -> None:
+    """Before anything is loaded: the shards of ``section`` are those of ``pm``'s plan and
+    rank, every one present, else a `StateDictMismatchError` (or a `CheckpointError`
+    for a deduped state dict) that says what to call instead."""
     mine = {bucket_key(r): r for r in shard_records(pm)}
     theirs = {bucket_key(r): r for r in section}
     for key, rec in theirs.items():
@@ -133,11 +134,19 @@ def load_shards(pm: ParallelModule, section: Sequence[Mapping[str, Any]], where:
                 f"belongs to another plan, rank or ZeRO layout. Load it with "
                 f"nnscaler.load_resharded(module, every rank's files, ...)"
             )
-        if rec["shard"] is None:
+        shard = rec["shard"]
+        if shard is None:
             raise CheckpointError(
                 f"{where}: the ZeRO-3 shard of bucket {key[1]} (unit {rec['unit']!r}) is not "
                 f"in this state dict (a deduped state dict keeps it on another rank); load "
                 f"deduped state dicts with nnscaler.load_deduped_state_dict on every rank"
+            )
+        if not isinstance(shard, torch.Tensor) or shard.numel() != int(own["shard_numel"]):
+            seen = tuple(shard.shape) if isinstance(shard, torch.Tensor) else type(shard).__name__
+            raise StateDictMismatchError(
+                f"{where}: the ZeRO-3 shard of bucket {key[1]} (unit {rec['unit']!r}) should "
+                f"be a tensor of {own['shard_numel']} elements, the state dict holds {seen}; "
+                f"the state dict was edited after it was saved"
             )
     missing = [k for k in mine if k not in theirs]
     if missing:
@@ -146,9 +155,13 @@ def load_shards(pm: ParallelModule, section: Sequence[Mapping[str, Any]], where:
             f"reducer over ranks {list(missing[0][0])}, which this module has; the state dict "
             f"belongs to another plan. Load it with nnscaler.load_resharded"
         )
+
+
+def load_shards(pm: ParallelModule, section: Sequence[Mapping[str, Any]]) -> None:
+    """Copy the shards of ``section`` (checked by `check_shards`) into ``pm``'s buckets."""
     by_key = {(tuple(int(x) for x in r.ranks), bi): b for r, bi, b in _stage3_buckets(pm)}
     with torch.no_grad():
-        for key, rec in theirs.items():
-            bucket = by_key[key]
-            bucket.shard_param.copy_(rec["shard"])  # type: ignore[union-attr]
+        for rec in section:
+            bucket = by_key[bucket_key(rec)]
+            bucket.shard_param.copy_(rec["shard"].reshape(-1))  # type: ignore[union-attr]
             free_unit(bucket)  # a unit gathered now would hold the old values

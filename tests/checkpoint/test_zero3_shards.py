@@ -25,12 +25,14 @@ ADAM = {"lr": 1e-3, "eps": 1e-4}
 
 
 def _gpt(world: int, stage: int, gen: str, name: str, ngroups: int = 1,
-         init: bool = True) -> nnscaler.ParallelModule:
+         init: bool = True, policy: str = "dp") -> nnscaler.ParallelModule:
     torch.manual_seed(0)
-    cfg = ComputeConfig(1, world, zero_stage=stage, zero_ngroups=ngroups, use_end2end=True)
+    plan = 2 if policy == "pp" else 1
+    cfg = ComputeConfig(plan, world, zero_stage=stage, zero_ngroups=ngroups, use_end2end=True,
+                        pas_config={"pipeline_nmicros": 1} if policy == "pp" else {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return parallelize(GPTWithLoss(CONFIG), {"batch": make_batch(CONFIG, 2)}, "dp", cfg,
+        return parallelize(GPTWithLoss(CONFIG), {"batch": make_batch(CONFIG, 2)}, policy, cfg,
                            gen_savedir=gen, instance_name=name, init_module_params=init)
 
 
@@ -91,6 +93,17 @@ def _merged_everywhere(pm, opt):
     return ck.merge_state_dicts(*[list(x) for x in zip(*_all_gather(pm, opt))])
 
 
+def _refusal(pm, sd) -> str:
+    """The error of loading ``sd`` into ``pm``, which must leave ``pm`` as it was."""
+    before = [t.clone() for t in pm.parameters_for_optimizer()]
+    try:
+        pm.load_state_dict(sd)
+    except nnscaler.CheckpointError as e:
+        assert all(torch.equal(a, b) for a, b in zip(before, pm.parameters_for_optimizer()))
+        return str(e)
+    return "loaded"
+
+
 def _run(rank: int, world: int, gen: str, out: str) -> dict:
     """One launch: train stage 3, stage 0 and stage 3 with two ZeRO groups the same way
     and save them; then load the stage-3 files into stages 0 to 3 (load_resharded), the
@@ -114,9 +127,16 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
         opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
         nnscaler.load_resharded(pm, files, opt, opt_files)
         got[f"into{stage}"] = _merged_everywhere(pm, opt)
+        if stage == 0:
+            got["refused"] = _refusal(pm, ck.load(files[rank]))
+    pp = _gpt(world, 0, gen, "into_pp", init=False, policy="pp")  # two pipeline stages
+    pp_opt = build_optimizer(pp, torch.optim.Adam, **ADAM)
+    nnscaler.load_resharded(pp, files, pp_opt, opt_files)
+    got["into_pp"] = _merged_everywhere(pp, pp_opt)
     # pm, opt: stage 3 now; load other files into it
     nnscaler.load_resharded(pm, _files(out, "s0g1", world)[0])
     got["from0"] = _loss(pm)
+    got["other_rank"] = _refusal(pm, ck.load(files[1 - rank]))
     pm.load_state_dict(ck.load(files[rank]))
     opt.load_state_dict(ck.load(opt_files[rank]))
     got["own"] = _merged_everywhere(pm, opt)
@@ -189,10 +209,16 @@ def test_merge_is_bitwise_the_gathered_state_dict_and_stage0s(saved):
 def test_every_stage_loads_them_and_stage3_loads_the_others(saved):
     merged, merged_opt = saved["merged"]
     for r in saved["got"]:
-        for key in ("into0", "into1", "into2", "into3", "own", "dedup"):
+        for key in ("into0", "into1", "into2", "into3", "into_pp", "own", "dedup"):
             _assert_equal(r[key][0], merged)
             _assert_opt_equal(r[key][1], merged_opt)
         assert torch.equal(r["from0"], saved["got"][0]["s0g1"]["loss"])
+
+
+def test_a_file_of_another_stage_or_rank_is_refused(saved):
+    for r in saved["got"]:
+        assert "not stage 3" in r["refused"] and "load_resharded" in r["refused"]
+        assert "ZeRO-3 shard" in r["other_rank"] and "load_resharded" in r["other_rank"]
 
 
 def test_zero_ngroups_2_and_incomplete_files(saved, tmp_path):
