@@ -37,6 +37,7 @@ from nnscaler.checkpoint.optimizer import (
     optimizer_name,
     parallel_modules,
 )
+from nnscaler.checkpoint.shards import rank_state_dict
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
@@ -48,7 +49,7 @@ from nnscaler.runtime.state import (
     parse_dtype,
     piece_key,
 )
-from nnscaler.runtime.zero3_state import SECTION, saving_shards, section_of, sharded_attrs
+from nnscaler.runtime.zero3_state import SECTION, section_of, sharded_attrs
 
 __all__ = ["deduped_state_dict", "load_deduped_state_dict"]
 
@@ -103,8 +104,7 @@ def deduped_state_dict(
             f"deduped_state_dict: {type(module).__qualname__} holds no ParallelModule; save "
             f"its state_dict() as it is"
         )
-    with saving_shards(module):  # ZeRO stage 3: this rank's shards, nothing gathered
-        sd = module.state_dict()
+    sd = rank_state_dict(module)  # ZeRO stage 3: this rank's shards, nothing gathered
     osd = _with_metadata(pms, optimizer) if optimizer is not None else None
     removers: dict[str, Callable[[], Any]] = {}
     extras = []
@@ -276,7 +276,7 @@ class _Restore:
                     self._have(f"U|{prefix}|{name}", t)
             else:
                 self.open_unheld.append((prefix, extra))
-        for key, value in self.module.state_dict().items():
+        for key, value in rank_state_dict(self.module).items():  # no unit gathered
             if any(owned_by(p, key) for p, _ in self.pms):
                 continue
             if key in sd:

@@ -18,7 +18,6 @@ reads only the boxes of its own pieces, one at a time.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from nnscaler.checkpoint.collective import agree, gather, world
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
-from nnscaler.checkpoint.shards import ShardCatalog
+from nnscaler.checkpoint.shards import ShardCatalog, rank_state_dict
 from nnscaler.errors import CheckpointError
 from nnscaler.gendir import FULLMODEL
 from nnscaler.runtime.state import (
@@ -46,8 +45,7 @@ from nnscaler.runtime.state import (
     sub_shape,
     unheld_names,
 )
-from nnscaler.runtime.zero3 import gathered
-from nnscaler.runtime.zero3_state import SECTION
+from nnscaler.runtime.zero3_state import SECTION, unit_places, write_piece
 
 __all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
 
@@ -421,6 +419,22 @@ def _copy_job(target: torch.Tensor, source: Any, name: str, index: Box | None,
     return run
 
 
+def _shard_job(place: tuple[Any, int], source: Any, name: str, meta: Any) -> Job:
+    bucket, offset = place
+
+    def piece() -> torch.Tensor:
+        if meta.model_shape is None:
+            return source.read(name, meta.index)
+        held = torch.empty(meta.sub_shape, dtype=meta.dtype)  # held reshaped: its view
+        _view_job(held, source, name, meta)()
+        return held
+
+    def run() -> None:
+        write_piece(bucket, offset, numel(meta.sub_shape),
+                    None if meta.value[0] != 0 else piece)
+    return run
+
+
 def _check_spec(what: str, key: str, name: str, source: Any, shape: Sequence[int],
                 dtype: torch.dtype) -> None:
     their_shape, their_dtype, where = source.spec(name)
@@ -469,9 +483,7 @@ def load_into(module: torch.nn.Module, source: Any, to_source: Callable[[str], s
     except CheckpointError as e:
         error = e
     agree(error, what)
-    with torch.no_grad(), contextlib.ExitStack() as stack:
-        for _, pm in parallel_modules(module):  # ZeRO stage 3: whole parameters to fill
-            stack.enter_context(gathered(pm, write=True))
+    with torch.no_grad():  # ZeRO stage 3: each piece goes into the shard, nothing gathered
         for job in jobs:
             job()
     for _, pm in parallel_modules(module):
@@ -495,7 +507,7 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
         consumed.update(present)
         return present[0]
 
-    for key, value in module.state_dict().items():  # what lies outside the parallel modules
+    for key, value in rank_state_dict(module).items():  # what lies outside the parallel modules
         if any(key.startswith(p) and "." not in key[len(p):] for p, _ in pms):
             continue
         if not isinstance(value, torch.Tensor):
@@ -505,6 +517,7 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
         jobs.append(_copy_job(_resolve(module, key), source, name, None, False))
     for prefix, pm in pms:
         manifest = plan_manifest(pm)
+        places = unit_places(pm)
         for entry in manifest or ():  # every tensor of the original module, held here or not
             if entry["kind"] == "parameter" or entry["persistent"]:
                 names = [prefix + n for n in entry["names"]]
@@ -518,11 +531,14 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
             name = find(names[0], names)
             _check_spec(what, names[0], name, source, meta.model_shape or meta.shape,
                         meta.dtype)
-            if meta.model_shape is not None:  # held reshaped: cut its box from the view
+            place = places.get(id(getattr(pm, attr)))
+            if place is not None:  # in a stage-3 unit: this rank's part of its shard
+                jobs.append(_shard_job(place, source, name, meta))
+            elif meta.model_shape is not None:  # held reshaped: cut its box from the view
                 jobs.append(_view_job(getattr(pm, attr), source, name, meta))
-                continue
-            jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
-                                  meta.value[0] != 0))
+            else:
+                jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
+                                      meta.value[0] != 0))
         jobs += _plan_unheld(pm, prefix, manifest, source, find)
         jobs += _plan_nonpersistent(pm, what)
     return jobs

@@ -24,7 +24,7 @@ torch user expects of a module's state dict (each key holds the parameter's valu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from nnscaler.runtime.reducer import Bucket, Reducer
 
 __all__ = ["SECTION", "bucket_key", "check_shards", "is_saving_shards", "load_shards", "saving_shards", "section_of",
-           "shard_records", "sharded_attrs"]
+           "shard_records", "sharded_attrs", "unit_places", "write_piece"]
 
 SECTION = "zero3"
 _FLAG = "_nnscaler_saving_shards"
@@ -70,6 +70,31 @@ def _stage3_buckets(pm: ParallelModule) -> Iterator[tuple[Reducer, int, Bucket]]
     for reducer in pm._zero3.reducers:
         for bi, bucket in enumerate(reducer.buckets):
             yield reducer, bi, bucket
+
+
+def unit_places(pm: ParallelModule) -> dict[int, tuple[Bucket, int]]:
+    """``id(parameter) -> (bucket, offset in its flat buffer)`` for every parameter that
+    lives in a stage-3 unit of ``pm`` (empty for other stages)."""
+    return {id(p): (bucket, int(off)) for _, _, bucket in _stage3_buckets(pm)
+            for p, off in zip(bucket.params, bucket.offsets)}
+
+
+def write_piece(bucket: Bucket, offset: int, numel: int,
+                read: Callable[[], torch.Tensor] | None) -> None:
+    """Set the elements ``[offset, offset + numel)`` of ``bucket``'s flat buffer in this
+    rank's shard to those of ``read()`` (a parameter piece; None: zero), without
+    gathering the unit: ``read`` is called only when the shard holds some of them."""
+    lo = bucket.shard_index * bucket.shard_numel
+    a, b = max(offset, lo), min(offset + numel, lo + bucket.shard_numel)
+    free_unit(bucket)  # a unit gathered now would hold the old values
+    if a >= b or bucket.shard_param is None:
+        return
+    with torch.no_grad():
+        dst = bucket.shard_param[a - lo: b - lo]
+        if read is None:
+            dst.zero_()
+        else:
+            dst.copy_(read().reshape(-1)[a - offset: b - offset])
 
 
 def bucket_key(record: Mapping[str, Any]) -> tuple[tuple[int, ...], int]:

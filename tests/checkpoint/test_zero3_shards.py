@@ -125,7 +125,10 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
     for stage in (0, 1, 2, 3):
         pm = _gpt(world, stage, gen, f"into{stage}", init=False)
         opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
-        nnscaler.load_resharded(pm, files, opt, opt_files)
+        with pytest.MonkeyPatch.context() as mp:
+            spy = _GatherSpy(mp)
+            nnscaler.load_resharded(pm, files, opt, opt_files)
+        got[f"gathers_loading_into{stage}"] = spy.count
         got[f"into{stage}"] = _merged_everywhere(pm, opt)
         if stage == 0:
             got["refused"] = _refusal(pm, ck.load(files[rank]))
@@ -213,6 +216,7 @@ def test_every_stage_loads_them_and_stage3_loads_the_others(saved):
             _assert_equal(r[key][0], merged)
             _assert_opt_equal(r[key][1], merged_opt)
         assert torch.equal(r["from0"], saved["got"][0]["s0g1"]["loss"])
+        assert r["gathers_loading_into3"] == 0  # each piece written into the shard
 
 
 def test_a_file_of_another_stage_or_rank_is_refused(saved):
