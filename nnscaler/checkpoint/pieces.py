@@ -308,13 +308,17 @@ class RankFilesSource:
             self.touched[holder] += t.nbytes
         return t
 
-    def _shard(self, holder: int, prefix: str, pos: int) -> torch.Tensor:
-        """A ZeRO-3 shard of file ``holder``: the ``pos``-th record of its ``zero3``
-        section of the module under ``prefix``."""
-        t = self.sds[holder][prefix + EXTRA_KEY][SECTION][pos]["shard"]
+    def _shard(self, holder: int, prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of a ZeRO-3 shard of file ``holder``: the ``pos``-th
+        record of its ``zero3`` section of the module under ``prefix``."""
+        t = _shard_of(self.sds[holder], prefix, pos).reshape(-1)[lo:hi]
         if self.paths[holder] is not None:
             self.touched[holder] += t.nbytes
         return t
+
+
+def _shard_of(sd: Mapping[str, Any], prefix: str, pos: int) -> torch.Tensor:
+    return sd[prefix + EXTRA_KEY][SECTION][pos]["shard"]
 
 
 def _load_mmap(path: Path) -> Mapping[str, Any]:
@@ -336,7 +340,7 @@ class ModuleSource:
 
     def __init__(self, module: torch.nn.Module) -> None:
         _, self.rank, _ = world()
-        self.local = module.state_dict()
+        self.local = rank_state_dict(module)  # ZeRO stage 3: the shards, nothing gathered
         everyone = gather({k: _shapes_only(v) for k, v in self.local.items()})
         self.catalog = _Catalog()
         for r, view in enumerate(everyone):
@@ -354,17 +358,31 @@ class ModuleSource:
         e = self.catalog.entries[self.catalog.alias[name]]
         box = _full_box(e.shape) if index is None else _as_box(index)
         if self.rank != 0:
+            zero3 = self.catalog.zero3
             for (piece_box, _), (holder, key) in e.pieces.items():
-                if holder == self.rank and _intersect(piece_box, box) is not None:
+                if _intersect(piece_box, box) is None:
+                    continue
+                if zero3.owns(key):  # a stage-3 piece: the slices of this rank's shards
+                    for file, prefix, pos, lo, hi in zero3.slices(holder, key):
+                        if file == self.rank:
+                            _send(_shard_of(self.local, prefix, pos).reshape(-1)[lo:hi], 0)
+                elif holder == self.rank:
                     _send(_lookup(self.local, key), 0)
             return None
         return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export", out)
 
     def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
+        if self.catalog.zero3.owns(key):
+            return self.catalog.zero3.read(holder, key, self._shard)
         if holder == 0:
             return _lookup(self.local, key)
         box = next(b for (b, _), (h, k) in e.pieces.items() if (h, k) == (holder, key))
         return _recv(sub_shape(box), e.dtype, holder)
+
+    def _shard(self, file: int, prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
+        if file == 0:
+            return _shard_of(self.local, prefix, pos).reshape(-1)[lo:hi]
+        return _recv((hi - lo,), self.catalog.zero3.dtypes[(file, prefix, pos)], file)
 
 
 def _shapes_only(value: Any) -> Any:
@@ -376,6 +394,9 @@ def _shapes_only(value: Any) -> Any:
         out = {k: v for k, v in value.items() if k != "nonpersistent"}
         if out.get("unheld"):
             out["unheld"] = {n: t.to("meta") for n, t in out["unheld"].items()}
+        if out.get(SECTION):
+            out[SECTION] = [{**r, "shard": None if r["shard"] is None else r["shard"].to("meta")}
+                            for r in out[SECTION]]
         return out
     return value
 

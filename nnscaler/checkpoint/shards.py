@@ -92,6 +92,7 @@ class ShardCatalog:
         self.shards: dict[Key, dict[int, tuple[int, int]]] = {}  # shard index -> (file, pos)
         self.layout: dict[Key, tuple[int, int, str]] = {}  # nshards, shard_numel, unit
         self.refs: dict[tuple[int, str], tuple[Key, int, int, tuple[int, ...]]] = {}
+        self.dtypes: dict[tuple[int, str, int], torch.dtype] = {}  # (file, prefix, pos)
 
     def add(self, holder: int, prefix: str, extra: Mapping[str, Any]) -> dict[str, str]:
         """Register file ``holder``'s shards of the module under ``prefix``; returns, per
@@ -105,6 +106,7 @@ class ShardCatalog:
             if rec["shard"] is not None:
                 self.shards.setdefault(key, {}).setdefault(int(rec["shard_index"]),
                                                            (holder, pos))
+                self.dtypes[(holder, prefix, pos)] = rec["shard"].dtype
             else:
                 self.shards.setdefault(key, {})
             for attr, offset, count in rec["members"]:
@@ -124,19 +126,24 @@ class ShardCatalog:
     def owns(self, ref: str) -> bool:
         return self.MARK in ref
 
-    def read(self, holder: int, ref: str,
-             shard: Callable[[int, str, int], torch.Tensor]) -> torch.Tensor:
-        """The piece ``ref`` registered by file ``holder``, put together from the slices of
-        the shards that cover it (``shard(file, prefix, position)`` gives one)."""
-        key, offset, count, shape = self.refs[(holder, ref)]
+    def slices(self, holder: int, ref: str) -> list[tuple[int, str, int, int, int]]:
+        """Where the piece ``ref`` (registered by file ``holder``) lies: ``(file, prefix,
+        position, start, stop)`` per shard slice, in the piece's order."""
+        key, offset, count, _ = self.refs[(holder, ref)]
         nshards, shard_numel, _ = self.layout[key]
-        parts = []
+        out = []
         for s in range(offset // shard_numel, min(nshards, -(-(offset + count) // shard_numel))):
             lo, hi = max(offset, s * shard_numel), min(offset + count, (s + 1) * shard_numel)
-            if lo >= hi:
-                continue
-            file, pos = self.shards[key][s]
-            t = shard(file, key[0], pos).reshape(-1)
-            parts.append(t[lo - s * shard_numel: hi - s * shard_numel])
+            if lo < hi:
+                file, pos = self.shards[key][s]
+                out.append((file, key[0], pos, lo - s * shard_numel, hi - s * shard_numel))
+        return out
+
+    def read(self, holder: int, ref: str,
+             shard: Callable[[int, str, int, int, int], torch.Tensor]) -> torch.Tensor:
+        """The piece ``ref`` registered by file ``holder``, put together from the slices of
+        the shards that cover it (``shard(file, prefix, position, start, stop)`` gives
+        one slice)."""
+        parts = [shard(*where).reshape(-1) for where in self.slices(holder, ref)]
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return flat.view(shape)
+        return flat.view(self.refs[(holder, ref)][3])

@@ -120,6 +120,10 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
             sd, osd = nnscaler.deduped_state_dict(pm, opt)
             ck.save(sd, os.path.join(out, f"dedup-model{rank}.pt"))
             ck.save(osd, os.path.join(out, f"dedup-opt{rank}.pt"))
+            with pytest.MonkeyPatch.context() as mp:  # the live module's Hub export
+                spy = _GatherSpy(mp)
+                nnscaler.save_pretrained(pm, os.path.join(out, "live_export"))
+            got["gathers_exporting"] = spy.count
     torch.distributed.barrier()
     files, opt_files = _files(out, "s3g1", world)
     for stage in (0, 1, 2, 3):
@@ -266,8 +270,9 @@ def test_reshard_two_to_four_processes(saved):
     assert max(sizes4) < 0.75 * min(sizes2)
 
 
-def test_hub_export_from_stage3_files(saved, tmp_path):
-    """``save_pretrained`` from the stage-3 files writes the merged weights."""
+def test_hub_export_from_stage3_files_and_module(saved, tmp_path):
+    """``save_pretrained`` from the stage-3 files writes the merged weights; from the live
+    stage-3 module the same, gathering no unit (rank 0 receives the shards' slices)."""
     files, _ = _files(saved["out"], "s3g1", 2)
     merged = saved["merged"][0]
     ck.save_pretrained(files, tmp_path / "hub")
@@ -278,4 +283,9 @@ def test_hub_export_from_stage3_files(saved, tmp_path):
         out.update(load_file(f))
     for k, v in out.items():
         assert torch.equal(v, merged[k]), k
+    live = load_file(Path(saved["out"]) / "live_export" / "model.safetensors")
+    assert set(live) == set(out)
+    for k, v in out.items():
+        assert torch.equal(live[k], v), k
+    assert [r["gathers_exporting"] for r in saved["got"]] == [0, 0]
     assert set(out) <= set(merged) and len(out) >= len(merged) - 1  # the tied head once
