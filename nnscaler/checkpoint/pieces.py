@@ -11,6 +11,11 @@ and reads any box (``[start, stop]`` per dim) of one of them:
 - `ModuleSource`: a live parallel module on every rank (collective): rank 0
   receives the pieces other ranks hold, one tensor at a time.
 
+A ZeRO stage-3 piece lies in the shards of several ranks: both kinds of state dict
+sources put it together from the shards' slices (`nnscaler.checkpoint.shards`), and
+`load_into` writes a stage-3 module's pieces straight into its shards; no unit is
+gathered on either side.
+
 `load_into` fills a module (a ParallelModule, or a model holding some) from a
 source: every rank checks every name and shape first, the ranks agree, then each rank
 reads only the boxes of its own pieces, one at a time.
