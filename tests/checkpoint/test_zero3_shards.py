@@ -289,3 +289,31 @@ def test_hub_export_from_stage3_files_and_module(saved, tmp_path):
         assert torch.equal(live[k], v), k
     assert [r["gathers_exporting"] for r in saved["got"]] == [0, 0]
     assert set(out) <= set(merged) and len(out) >= len(merged) - 1  # the tied head once
+
+
+def test_bf16_keeps_the_fp32_master_shards(tmp_path):
+    """One process, a bf16 model: the file holds the fp32 master shard (a resume steps
+    from it exactly), the merged state is the bf16 parameters, as gathered."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(GPTWithLoss(CONFIG).to(torch.bfloat16),
+                         {"batch": make_batch(CONFIG, 2)}, "dp",
+                         ComputeConfig(1, 1, zero_stage=3, use_end2end=True),
+                         gen_savedir=str(tmp_path), instance_name="bf16")
+    opt = build_optimizer(pm, torch.optim.Adam, **ADAM)
+    _train(pm, opt, 0, steps=1)
+    sd = ck.rank_state_dict(pm)
+    masters = [t.clone() for t in pm.parameters_for_optimizer()]
+    assert all(r["shard"].dtype == torch.float32 for r in sd["_extra_state"]["zero3"])
+    merged, _ = ck.merge_state_dicts([sd])
+    gathered, _ = ck.merge_state_dicts([pm.state_dict()])
+    _assert_equal(merged, gathered)
+    assert merged["gpt.wte.weight"].dtype == torch.bfloat16
+    ck.save(sd, tmp_path / "bf16.pt")
+    with torch.no_grad():
+        for t in pm.parameters_for_optimizer():
+            t.add_(1.0)
+    pm.load_state_dict(ck.load(tmp_path / "bf16.pt"))
+    for a, b in zip(masters, pm.parameters_for_optimizer()):
+        assert torch.equal(a, b)  # the fp32 master, not the bf16 values rounded back
