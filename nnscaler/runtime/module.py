@@ -450,10 +450,15 @@ class ParallelModule(torch.nn.Module):
             refresh_zero_shards(self)
             zero3_state.load_shards(self, section)
             return
-        with gathered(self):  # stage 3: the values land in the whole parameters
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
-            refresh_zero_shards(self)
+        # stage 3, whole values: each goes straight into this rank's part of its shard
+        units = zero3_state.unit_keys(self, state_dict, prefix)
+        rest = {k: v for k, v in state_dict.items() if k not in units} if units else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in units]
+        refresh_zero_shards(self)
+        for key, (bucket, offset, count) in units.items():
+            zero3_state.write_piece(bucket, offset, count, lambda k=key: state_dict[k])
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

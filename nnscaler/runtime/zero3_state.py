@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from nnscaler.runtime.reducer import Bucket, Reducer
 
 __all__ = ["SECTION", "bucket_key", "check_shards", "is_saving_shards", "load_shards", "saving_shards", "section_of",
-           "shard_records", "sharded_attrs", "unit_places", "write_piece"]
+           "shard_records", "sharded_attrs", "unit_keys", "unit_places",
+           "write_piece"]
 
 SECTION = "zero3"
 _FLAG = "_nnscaler_saving_shards"
@@ -77,6 +78,19 @@ def unit_places(pm: ParallelModule) -> dict[int, tuple[Bucket, int]]:
     lives in a stage-3 unit of ``pm`` (empty for other stages)."""
     return {id(p): (bucket, int(off)) for _, _, bucket in _stage3_buckets(pm)
             for p, off in zip(bucket.params, bucket.offsets)}
+
+
+def unit_keys(pm: ParallelModule, state_dict: Mapping[str, Any], prefix: str
+              ) -> dict[str, tuple[Bucket, int, int]]:
+    """The keys of ``state_dict`` that hold the whole values of parameters living in a
+    stage-3 unit of ``pm``: ``key -> (bucket, offset, numel)`` (empty for other stages)."""
+    places = unit_places(pm)
+    out = {}
+    for attr in pm.fullmap:
+        place = places.get(id(getattr(pm, attr)))
+        if place is not None and isinstance(state_dict.get(prefix + attr), torch.Tensor):
+            out[prefix + attr] = (place[0], place[1], int(getattr(pm, attr).numel()))
+    return out
 
 
 def write_piece(bucket: Bucket, offset: int, numel: int,

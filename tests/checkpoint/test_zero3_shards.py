@@ -136,6 +136,11 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
         got[f"into{stage}"] = _merged_everywhere(pm, opt)
         if stage == 0:
             got["refused"] = _refusal(pm, ck.load(files[rank]))
+    with pytest.MonkeyPatch.context() as mp:  # stage 3 again, from the merged state dicts
+        spy = _GatherSpy(mp)
+        nnscaler.load_merged_state_dicts(pm, got["into3"][0], opt, got["into3"][1])
+    got["gathers_loading_merged"] = spy.count
+    got["merged_into3"] = _merged_everywhere(pm, opt)
     pp = _gpt(world, 0, gen, "into_pp", init=False, policy="pp")  # two pipeline stages
     pp_opt = build_optimizer(pp, torch.optim.Adam, **ADAM)
     nnscaler.load_resharded(pp, files, pp_opt, opt_files)
@@ -216,11 +221,13 @@ def test_merge_is_bitwise_the_gathered_state_dict_and_stage0s(saved):
 def test_every_stage_loads_them_and_stage3_loads_the_others(saved):
     merged, merged_opt = saved["merged"]
     for r in saved["got"]:
-        for key in ("into0", "into1", "into2", "into3", "into_pp", "own", "dedup"):
+        for key in ("into0", "into1", "into2", "into3", "merged_into3", "into_pp", "own",
+                    "dedup"):
             _assert_equal(r[key][0], merged)
             _assert_opt_equal(r[key][1], merged_opt)
         assert torch.equal(r["from0"], saved["got"][0]["s0g1"]["loss"])
         assert r["gathers_loading_into3"] == 0  # each piece written into the shard
+        assert r["gathers_loading_merged"] == 0
 
 
 def test_a_file_of_another_stage_or_rank_is_refused(saved):
