@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.checkpoint.collective import agree
+from nnscaler.checkpoint.module_source import ModuleSource
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.pieces import (
     HubSource,
-    ModuleSource,
     RankFilesSource,
     load_into,
 )

@@ -8,13 +8,11 @@ and reads any box (``[start, stop]`` per dim) of one of them:
 - `RankFilesSource`: the per-rank (or deduped) state-dict files of a parallel module
   saved under some plan, memory-mapped; a box is put together from the pieces the files'
   metadata say cover it (replicas taken once, value parts summed);
-- `ModuleSource`: a live parallel module on every rank (collective): rank 0
-  receives the pieces other ranks hold, one tensor at a time.
+- `nnscaler.checkpoint.module_source.ModuleSource`: a live parallel module on every
+  rank (collective): rank 0 receives the pieces other ranks hold, one tensor at a time.
 
-A ZeRO stage-3 piece lies in the shards of several ranks: both kinds of state dict
-sources put it together from the shards' slices (`nnscaler.checkpoint.shards`), and
-`load_into` writes a stage-3 module's pieces straight into its shards; no unit is
-gathered on either side.
+A ZeRO stage-3 piece is read from, and written into, the shards of several ranks
+(`nnscaler.checkpoint.shards`): no unit is gathered.
 
 `load_into` fills a module (a ParallelModule, or a model holding some) from a
 source: every rank checks every name and shape first, the ranks agree, then each rank
@@ -29,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nnscaler.checkpoint.collective import agree, gather, world
+from nnscaler.checkpoint.collective import agree, gather
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
-from nnscaler.checkpoint.shards import ShardCatalog, rank_state_dict
+from nnscaler.checkpoint.shards import ShardCatalog, rank_state_dict, shard_job, shard_slice
 from nnscaler.errors import CheckpointError
 from nnscaler.gendir import FULLMODEL
 from nnscaler.runtime.state import (
@@ -50,9 +47,9 @@ from nnscaler.runtime.state import (
     sub_shape,
     unheld_names,
 )
-from nnscaler.runtime.zero3_state import SECTION, unit_places, write_piece
+from nnscaler.runtime.zero3_state import unit_places
 
-__all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
+__all__ = ["HubSource", "RankFilesSource", "load_into"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -316,14 +313,10 @@ class RankFilesSource:
     def _shard(self, holder: int, prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of a ZeRO-3 shard of file ``holder``: the ``pos``-th
         record of its ``zero3`` section of the module under ``prefix``."""
-        t = _shard_of(self.sds[holder], prefix, pos).reshape(-1)[lo:hi]
+        t = shard_slice(self.sds[holder], prefix, pos, lo, hi)
         if self.paths[holder] is not None:
             self.touched[holder] += t.nbytes
         return t
-
-
-def _shard_of(sd: Mapping[str, Any], prefix: str, pos: int) -> torch.Tensor:
-    return sd[prefix + EXTRA_KEY][SECTION][pos]["shard"]
 
 
 def _load_mmap(path: Path) -> Mapping[str, Any]:
@@ -336,94 +329,6 @@ def _load_mmap(path: Path) -> Mapping[str, Any]:
         raise CheckpointError(f"cannot read the checkpoint file {str(path)!r} "
                               f"({type(e).__name__}: {e}); it is truncated or not a state "
                               f"dict saved with torch.save") from e
-
-
-class ModuleSource:
-    """A live model holding parallel modules, on every rank (collective): every rank
-    calls `read` for the same names in the same order; rank 0 gets the full tensor,
-    the other ranks send it the pieces they are the first holder of and get None."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        _, self.rank, _ = world()
-        self.local = rank_state_dict(module)  # ZeRO stage 3: the shards, nothing gathered
-        everyone = gather({k: _shapes_only(v) for k, v in self.local.items()})
-        self.catalog = _Catalog()
-        for r, view in enumerate(everyone):
-            self.catalog.add_state_dict(r, view, f"rank {r}'s module")
-
-    def names(self) -> list[str]:
-        return self.catalog.names()
-
-    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
-        e = self.catalog.entries[self.catalog.alias[name]]
-        return e.shape, e.dtype, "the parallel module"
-
-    def read(self, name: str, index: Sequence[Sequence[int]] | None = None, *,
-             out: torch.Tensor | None = None) -> torch.Tensor | None:
-        e = self.catalog.entries[self.catalog.alias[name]]
-        box = _full_box(e.shape) if index is None else _as_box(index)
-        if self.rank != 0:
-            zero3 = self.catalog.zero3
-            for (piece_box, _), (holder, key) in e.pieces.items():
-                if _intersect(piece_box, box) is None:
-                    continue
-                if zero3.owns(key):  # a stage-3 piece: the slices of this rank's shards
-                    for file, prefix, pos, lo, hi in zero3.slices(holder, key):
-                        if file == self.rank:
-                            _send(_shard_of(self.local, prefix, pos).reshape(-1)[lo:hi], 0)
-                elif holder == self.rank:
-                    _send(_lookup(self.local, key), 0)
-            return None
-        return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export", out)
-
-    def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
-        if self.catalog.zero3.owns(key):
-            return self.catalog.zero3.read(holder, key, self._shard)
-        if holder == 0:
-            return _lookup(self.local, key)
-        box = next(b for (b, _), (h, k) in e.pieces.items() if (h, k) == (holder, key))
-        return _recv(sub_shape(box), e.dtype, holder)
-
-    def _shard(self, file: int, prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
-        if file == 0:
-            return _shard_of(self.local, prefix, pos).reshape(-1)[lo:hi]
-        return _recv((hi - lo,), self.catalog.zero3.dtypes[(file, prefix, pos)], file)
-
-
-def _shapes_only(value: Any) -> Any:
-    """What the other ranks need to know of a state-dict entry: tensors as meta tensors
-    (shape and dtype), metadata without the values of non-persistent buffers."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("meta")
-    if is_extra_state(value):
-        out = {k: v for k, v in value.items() if k != "nonpersistent"}
-        if out.get("unheld"):
-            out["unheld"] = {n: t.to("meta") for n, t in out["unheld"].items()}
-        if out.get(SECTION):
-            out[SECTION] = [{**r, "shard": None if r["shard"] is None else r["shard"].to("meta")}
-                            for r in out[SECTION]]
-        return out
-    return value
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _send(t: torch.Tensor, dst: int) -> None:
-    buf = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_comm_device())
-    if buf.numel():
-        dist.send(buf, dst)
-
-
-def _recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
-    nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=_comm_device())
-    if nbytes:
-        dist.recv(buf, src)
-    return buf.cpu().view(dtype).reshape(shape)
 
 
 # -- loading into a module -----------------------------------------------------------------
@@ -445,20 +350,13 @@ def _copy_job(target: torch.Tensor, source: Any, name: str, index: Box | None,
     return run
 
 
-def _shard_job(place: tuple[Any, int], source: Any, name: str, meta: Any) -> Job:
-    bucket, offset = place
-
-    def piece() -> torch.Tensor:
-        if meta.model_shape is None:
-            return source.read(name, meta.index)
-        held = torch.empty(meta.sub_shape, dtype=meta.dtype)  # held reshaped: its view
-        _view_job(held, source, name, meta)()
-        return held
-
-    def run() -> None:
-        write_piece(bucket, offset, numel(meta.sub_shape),
-                    None if meta.value[0] != 0 else piece)
-    return run
+def _read_held(source: Any, name: str, meta: Any) -> torch.Tensor:
+    """A piece as the module holds it (a box of its view when it is held reshaped)."""
+    if meta.model_shape is None:
+        return source.read(name, meta.index)
+    held = torch.empty(meta.sub_shape, dtype=meta.dtype)
+    _view_job(held, source, name, meta)()
+    return held
 
 
 def _check_spec(what: str, key: str, name: str, source: Any, shape: Sequence[int],
@@ -559,7 +457,7 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
                         meta.dtype)
             place = places.get(id(getattr(pm, attr)))
             if place is not None:  # in a stage-3 unit: this rank's part of its shard
-                jobs.append(_shard_job(place, source, name, meta))
+                jobs.append(shard_job(place, meta, lambda n=name, m=meta: _read_held(source, n, m)))
             elif meta.model_shape is not None:  # held reshaped: cut its box from the view
                 jobs.append(_view_job(getattr(pm, attr), source, name, meta))
             else:

@@ -17,6 +17,7 @@ parameter's dtype:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +25,15 @@ import torch
 
 from nnscaler.errors import CheckpointError
 from nnscaler.runtime.state import EXTRA_KEY, parse_dtype, sub_shape
-from nnscaler.runtime.zero3_state import bucket_key, saving_shards, section_of
+from nnscaler.runtime.zero3_state import (
+    SECTION,
+    bucket_key,
+    saving_shards,
+    section_of,
+    write_piece,
+)
 
-__all__ = ["ShardCatalog", "rank_state_dict", "shard_pieces"]
+__all__ = ["ShardCatalog", "rank_state_dict", "shard_job", "shard_pieces", "shard_slice"]
 
 #: (module prefix, (reducer ranks, bucket index))
 Key = tuple[str, tuple[tuple[int, ...], int]]
@@ -44,6 +51,26 @@ def rank_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     """
     with saving_shards(module):
         return module.state_dict()
+
+
+def shard_slice(sd: Mapping[str, Any], prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the ``pos``-th shard of the ``zero3`` section of the
+    parallel module under ``prefix`` in the state dict ``sd``."""
+    return sd[prefix + EXTRA_KEY][SECTION][pos]["shard"].reshape(-1)[lo:hi]
+
+
+def shard_job(place: tuple[Any, int], meta: Any, piece: Callable[[], torch.Tensor]
+              ) -> Callable[[], None]:
+    """Loading one parameter piece of a stage-3 unit (``place``: its bucket and offset;
+    ``meta``: its `nnscaler.runtime.module.AttrMeta`): the elements of ``piece()`` that
+    fall in this rank's shard are written into it (a value part other than the first:
+    zeros); ``piece`` is read only when the shard holds some of them."""
+    bucket, offset = place
+
+    def run() -> None:
+        write_piece(bucket, offset, math.prod(meta.sub_shape),
+                    None if meta.value[0] != 0 else piece)
+    return run
 
 
 def _missing(key: Key, nshards: int, have: Sequence[int], unit: str, given: str) -> CheckpointError:
