@@ -1,8 +1,10 @@
 """ZeRO stage-3 checkpoints hold shards: each rank writes its fp32 shard of every
-gathering unit (nothing is gathered while saving), the files are ~1/N of stage 0's, and
-every reader takes them: per-rank ``load_state_dict``, ``merge_state_dicts`` (bitwise
-what the gathered state dict merges to), ``load_resharded`` into stages 0 to 3 and back,
-deduped checkpoints, another number of processes, ``zero_ngroups=2``, the Hub export."""
+gathering unit (nothing is gathered while saving, nor while loading into stage 3, nor
+while exporting a live module), the files are ~1/N of stage 0's, and every reader takes
+them: per-rank ``load_state_dict``, ``merge_state_dicts`` (bitwise what the gathered
+state dict and stage 0 merge to), ``load_resharded`` into stages 0 to 3, a pipeline and
+another number of processes, and back, ``load_merged_state_dicts``, deduped checkpoints,
+``zero_ngroups=2``, the Hub export; a bf16 model keeps its fp32 master shards."""
 
 from __future__ import annotations
 
