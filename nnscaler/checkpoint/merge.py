@@ -143,7 +143,8 @@ class _ModuleView:
         pieces: dict[str, _Pieces] = {}
         names: dict[str, list[str]] = {}
         for _, rec, t in shard_pieces(self.metas, "merge_state_dicts"):
-            pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"])).add(
+            pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"],
+                                                   rec.get("model_shape"))).add(
                 rec["index"], rec["value"], t)
             names.setdefault(rec["name"], list(rec["names"]))
         for i, (sd, meta) in enumerate(zip(self.state_dicts, self.metas)):

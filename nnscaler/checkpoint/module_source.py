@@ -15,7 +15,16 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.checkpoint.collective import gather, world
-from nnscaler.checkpoint.pieces import _as_box, _Catalog, _Entry, _full_box, _intersect, _lookup
+from nnscaler.checkpoint.pieces import (
+    _VIEW,
+    _as_box,
+    _Catalog,
+    _Entry,
+    _full_box,
+    _intersect,
+    _lookup,
+    zero3_piece,
+)
 from nnscaler.checkpoint.shards import rank_state_dict, shard_slice
 from nnscaler.runtime.state import is_extra_state, numel, sub_shape
 from nnscaler.runtime.zero3_state import SECTION
@@ -53,7 +62,7 @@ class ModuleSource:
                 if _intersect(piece_box, box) is None:
                     continue
                 if zero3.owns(key):  # a stage-3 piece: the slices of this rank's shards
-                    for file, prefix, pos, lo, hi in zero3.slices(holder, key):
+                    for file, prefix, pos, lo, hi in zero3.slices(holder, key.split(_VIEW)[0]):
                         if file == self.rank:
                             _send(shard_slice(self.local, prefix, pos, lo, hi), 0)
                 elif holder == self.rank:
@@ -63,7 +72,7 @@ class ModuleSource:
 
     def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
         if self.catalog.zero3.owns(key):
-            return self.catalog.zero3.read(holder, key, self._shard)
+            return zero3_piece(self.catalog.zero3, holder, key, self._shard)
         if holder == 0:
             return _lookup(self.local, key)
         box = next(b for (b, _), (h, k) in e.pieces.items() if (h, k) == (holder, key))

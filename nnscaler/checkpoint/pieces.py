@@ -247,6 +247,17 @@ def model_boxes(shape: Sequence[int], model_shape: Sequence[int],
                           f"state dict was edited after it was saved")
 
 
+def zero3_piece(zero3: ShardCatalog, holder: int, key: str, shard: Any) -> torch.Tensor:
+    """A stage-3 piece (a box of its view, for a ``<key>/view/<d>/<j>`` key) from the
+    slices of its shards."""
+    head, _, sel = key.partition(_VIEW)
+    piece = zero3.read(holder, head, shard)
+    if sel:
+        d, j = (int(x) for x in sel.split("/"))
+        piece = piece.select(d, j).contiguous()
+    return piece
+
+
 def _lookup(sd: Mapping[str, Any], key: str) -> torch.Tensor:
     if _VIEW in key:
         head, sel = key.split(_VIEW, 1)
@@ -304,7 +315,7 @@ class RankFilesSource:
                     self.sds[i] = _load_mmap(path)  # the old map goes with its last reference
                     self.touched[i] = 0
         if self.catalog.zero3.owns(key):
-            return self.catalog.zero3.read(holder, key, self._shard)
+            return zero3_piece(self.catalog.zero3, holder, key, self._shard)
         t = _lookup(self.sds[holder], key)
         if self.paths[holder] is not None:
             self.touched[holder] += t.nbytes
