@@ -41,7 +41,7 @@ from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
 from nnscaler.runtime.partgroup import ProcessPartGroup
 from nnscaler.runtime.reducer import Reducer
-from nnscaler.runtime.zero3 import Zero3Runner, gathered, unit_of
+from nnscaler.runtime.zero3 import Zero3Runner, unit_of
 
 if TYPE_CHECKING:
     from nnscaler.runtime.pipeline import Pipeline
@@ -467,19 +467,15 @@ class ParallelModule(torch.nn.Module):
             destination.pop(prefix + attr, None)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """``torch.nn.Module.state_dict``; with ZeRO stage 3 the units are gathered for
-        it and the parameters' values copied out, except inside
+        """``torch.nn.Module.state_dict``; with ZeRO stage 3 the parameters' values are
+        copied out one unit at a time (each gathered, copied, freed), except inside
         `nnscaler.runtime.zero3_state.saving_shards` (what the checkpoint functions use),
         where this rank's shards are saved instead and nothing is gathered."""
-        if self._zero3 is None or zero3_state.is_saving_shards(self):
-            return super().state_dict(*args, **kwargs)
-        with gathered(self):
-            out = super().state_dict(*args, **kwargs)
-            for key, value in out.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata in \
-                        self._zero3.storage_bucket:
-                    out[key] = value.detach().clone()
-            return out
+        out = super().state_dict(*args, **kwargs)  # a unit's entries: views of no storage
+        if self._zero3 is not None and not zero3_state.is_saving_shards(self):
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            zero3_state.copy_units_out(self, out, prefix)
+        return out
 
     # -- end of the state-dict section --------------------------------------------------
 

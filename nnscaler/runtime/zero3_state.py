@@ -17,26 +17,27 @@ out the parameters that live in a gathering unit and puts under ``_extra_state``
 
 Nothing is gathered: the shard is the tensor the optimizer updates. `load_shards` puts the
 shards of a state dict of the same plan and rank back (``load_state_dict`` calls it).
-Outside `saving_shards`, ``state_dict()`` gathers the units for the copy it returns, as a
-torch user expects of a module's state dict (each key holds the parameter's values).
+Outside `saving_shards`, ``state_dict()`` copies the units out one at a time (gathered,
+copied, freed: `copy_units_out`), as a torch user expects of a module's state dict (each
+key holds the parameter's values).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nnscaler.errors import CheckpointError, StateDictMismatchError
-from nnscaler.runtime.zero3 import free_unit
+from nnscaler.runtime.zero3 import free_unit, gather_unit, wait_unit
 
 if TYPE_CHECKING:
     from nnscaler.runtime.module import ParallelModule
     from nnscaler.runtime.reducer import Bucket, Reducer
 
-__all__ = ["SECTION", "bucket_key", "check_shards", "is_saving_shards", "load_shards", "saving_shards", "section_of",
+__all__ = ["SECTION", "bucket_key", "check_shards", "copy_units_out", "is_saving_shards", "load_shards", "saving_shards", "section_of",
            "shard_records", "sharded_attrs", "unit_keys", "unit_places",
            "write_piece"]
 
@@ -109,6 +110,26 @@ def write_piece(bucket: Bucket, offset: int, numel: int,
             dst.zero_()
         else:
             dst.copy_(read().reshape(-1)[a - offset: b - offset])
+
+
+def copy_units_out(pm: ParallelModule, out: MutableMapping[str, Any], prefix: str) -> None:
+    """Replace the entries of ``out`` (``pm``'s state dict, keys under ``prefix``) of the
+    parameters living in a stage-3 unit by copies of their values, gathering one unit at
+    a time (collective over each unit's ZeRO group, as every gather)."""
+    key_of = {id(getattr(pm, a)): prefix + a for a, m in pm.fullmap.items()
+              if m.kind == "parameter"}
+    for reducer, _, bucket in _stage3_buckets(pm):
+        keys = [key_of.get(id(p)) for p in bucket.params]
+        was_gathered = bucket.gathered
+        gather_unit(reducer, bucket)
+        wait_unit(bucket)
+        try:
+            for p, key in zip(bucket.params, keys):
+                if key is not None and key in out:
+                    out[key] = p.detach().clone()
+        finally:
+            if not was_gathered:
+                free_unit(bucket)
 
 
 def bucket_key(record: Mapping[str, Any]) -> tuple[tuple[int, ...], int]:

@@ -20,7 +20,7 @@ import nnscaler
 from nnscaler import ComputeConfig, build_optimizer, parallelize
 from nnscaler import checkpoint as ck
 from nnscaler.models.gpt import GPTConfig, GPTWithLoss, make_batch
-from nnscaler.runtime import zero3
+from nnscaler.runtime import zero3, zero3_state
 
 CONFIG = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 ADAM = {"lr": 1e-3, "eps": 1e-4}
@@ -74,8 +74,18 @@ def _save(pm, opt, rank: int, out: str, tag: str) -> dict:
         ck.save(sd, os.path.join(out, f"{tag}-model{rank}.pt"))
         ck.save(opt.state_dict(), os.path.join(out, f"{tag}-opt{rank}.pt"))
     gathered_after = sum(b.gathered for r in pm.reducers for b in r.buckets)
+    peak = [0]
+    with pytest.MonkeyPatch.context() as mp:  # state_dict(): one unit gathered at a time
+        real = zero3_state.gather_unit
+
+        def gather(*args):
+            real(*args)
+            peak[0] = max(peak[0], sum(b.gathered for r in pm.reducers for b in r.buckets))
+
+        mp.setattr(zero3_state, "gather_unit", gather)
+        plain = pm.state_dict()
     return {"gathers": spy.count, "gathered": (gathered_before, gathered_after),
-            "plain": pm.state_dict(), "loss": _loss(pm), "keys": sorted(sd)}
+            "plain": plain, "peak": peak[0], "loss": _loss(pm), "keys": sorted(sd)}
 
 
 def _files(out: str, tag: str, world: int) -> tuple[list[str], list[str]]:
@@ -193,6 +203,7 @@ def test_saving_gathers_nothing_and_files_are_a_shard(saved):
     for r in saved["got"]:
         assert r["s3g1"]["gathers"] == 0
         assert r["s3g1"]["gathered"] == (0, 0)  # no unit holds values before or after
+        assert r["s3g1"]["peak"] == 1  # state_dict() copies the units out one at a time
         assert not any(k.startswith("gpt_blocks") for k in r["s3g1"]["keys"])  # in shards
         assert r["s0g1"]["gathers"] == 0 and any(k.startswith("gpt_blocks")
                                                  for k in r["s0g1"]["keys"])
