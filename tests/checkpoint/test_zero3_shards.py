@@ -4,7 +4,8 @@ while exporting a live module), the files are ~1/N of stage 0's, and every reade
 them: per-rank ``load_state_dict``, ``merge_state_dicts`` (bitwise what the gathered
 state dict and stage 0 merge to), ``load_resharded`` into stages 0 to 3, a pipeline and
 another number of processes, and back, ``load_merged_state_dicts``, deduped checkpoints,
-``zero_ngroups=2``, the Hub export; a bf16 model keeps its fp32 master shards."""
+``zero_ngroups=2``, the Hub export, stage 1 and 2 files into stage 3; a bf16 model keeps
+its fp32 master shards."""
 
 from __future__ import annotations
 
@@ -105,6 +106,14 @@ def _merged_everywhere(pm, opt):
     return ck.merge_state_dicts(*[list(x) for x in zip(*_all_gather(pm, opt))])
 
 
+def _forget(pm, opt) -> None:
+    """Zero the tensors the optimizer steps and drop its state: what a load must restore."""
+    with torch.no_grad():
+        for t in pm.parameters_for_optimizer():
+            t.zero_()
+    opt.state.clear()
+
+
 def _refusal(pm, sd) -> str:
     """The error of loading ``sd`` into ``pm``, which must leave ``pm`` as it was."""
     before = [t.clone() for t in pm.parameters_for_optimizer()]
@@ -148,6 +157,16 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
         got[f"into{stage}"] = _merged_everywhere(pm, opt)
         if stage == 0:
             got["refused"] = _refusal(pm, ck.load(files[rank]))
+        if stage in (1, 2):  # their files, for stage 3 to load below
+            ck.save(ck.rank_state_dict(pm), os.path.join(out, f"z{stage}-model{rank}.pt"))
+            ck.save(opt.state_dict(), os.path.join(out, f"z{stage}-opt{rank}.pt"))
+    torch.distributed.barrier()
+    for stage in (1, 2):  # pm, opt: stage 3
+        _forget(pm, opt)
+        stage_files, stage_opt_files = _files(out, f"z{stage}", world)
+        nnscaler.load_resharded(pm, stage_files, opt, stage_opt_files)
+        got[f"from{stage}"] = _merged_everywhere(pm, opt)
+    _forget(pm, opt)
     with pytest.MonkeyPatch.context() as mp:  # stage 3 again, from the merged state dicts
         spy = _GatherSpy(mp)
         nnscaler.load_merged_state_dicts(pm, got["into3"][0], opt, got["into3"][1])
@@ -165,10 +184,7 @@ def _run(rank: int, world: int, gen: str, out: str) -> dict:
     opt.load_state_dict(ck.load(opt_files[rank]))
     got["own"] = _merged_everywhere(pm, opt)
     dedup, dedup_opt = _files(out, "dedup", world)
-    with torch.no_grad():  # forget everything before loading the deduped files
-        for t in pm.parameters_for_optimizer():
-            t.zero_()
-    opt.state.clear()
+    _forget(pm, opt)
     nnscaler.load_deduped_state_dict(pm, ck.load(dedup[rank]), opt, ck.load(dedup_opt[rank]))
     got["dedup"] = _merged_everywhere(pm, opt)
     return got
@@ -235,7 +251,7 @@ def test_every_stage_loads_them_and_stage3_loads_the_others(saved):
     merged, merged_opt = saved["merged"]
     for r in saved["got"]:
         for key in ("into0", "into1", "into2", "into3", "merged_into3", "into_pp", "own",
-                    "dedup"):
+                    "dedup", "from1", "from2"):
             _assert_equal(r[key][0], merged)
             _assert_opt_equal(r[key][1], merged_opt)
         assert torch.equal(r["from0"], saved["got"][0]["s0g1"]["loss"])
