@@ -10,6 +10,8 @@ module's state dict; loaded into a parallel module of the same or any other plan
 - [`deduped_state_dict`][nnscaler.deduped_state_dict] /
   [`load_deduped_state_dict`][nnscaler.load_deduped_state_dict]: each distinct piece saved once
   across the ranks, and every rank restored from them;
+- `rank_state_dict`: what a rank saves; with ZeRO
+  stage 3 its shards, never a gathered unit;
 - `save` / `load`: atomic writes, ``weights_only=True`` reads;
 - `track_optimizer`: optimizer state dicts that say which tensor each entry is;
 - [`load_pretrained`][nnscaler.load_pretrained] / [`save_pretrained`][nnscaler.save_pretrained]:
@@ -41,6 +43,7 @@ from nnscaler.checkpoint.reshard import (
     load_merged_state_dicts,
     load_sharded_state_dict,
 )
+from nnscaler.checkpoint.shards import rank_state_dict
 
 __all__ = [
     "CheckpointError",
@@ -56,6 +59,7 @@ __all__ = [
     "load_sharded_state_dict",
     "merge_state_dicts",
     "meta_parameters",
+    "rank_state_dict",
     "save",
     "save_pretrained",
     "track_optimizer",

@@ -13,6 +13,8 @@ Pieces are named by strings equal on every rank that holds the same values:
 - ``N|prefix|...``: a piece of a non-persistent buffer or captured constant;
 - ``U|prefix|name``: a tensor no rank holds (the traced graph never reads it);
 - ``K|key``: a state dict entry outside every parallel module;
+- ``Z|prefix|ranks|bucket|i/n``: a ZeRO stage-3 shard of a gathering unit (the rank
+  saves shards, not gathered pieces: `nnscaler.runtime.zero3_state`);
 - ``O|OP|i|...`` / ``O|OZ|i|...``: the optimizer state of a parameter piece / a ZeRO shard
   (``i``: the parallel module's index in the model).
 """
@@ -35,6 +37,7 @@ from nnscaler.checkpoint.optimizer import (
     optimizer_name,
     parallel_modules,
 )
+from nnscaler.checkpoint.shards import rank_state_dict
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
@@ -46,6 +49,7 @@ from nnscaler.runtime.state import (
     parse_dtype,
     piece_key,
 )
+from nnscaler.runtime.zero3_state import SECTION, section_of, sharded_attrs
 
 __all__ = ["deduped_state_dict", "load_deduped_state_dict"]
 
@@ -67,6 +71,11 @@ def _with_metadata(pms: list[tuple[str, Any]], optimizer: torch.optim.Optimizer
     osd = optimizer.state_dict()
     osd[OPTIMIZER_KEY] = optimizer_metadata([pm for _, pm in pms], optimizer)
     return osd
+
+
+def _shard_ident(prefix: str, shard: Mapping[str, Any]) -> str:
+    ranks = ",".join(str(r) for r in shard["reducer"])
+    return f"Z|{prefix}|{ranks}|{shard['bucket']}|{shard['shard_index']}/{shard['nshards']}"
 
 
 def _optimizer_ids(osd: Mapping[str, Any]) -> list[tuple[Any, str | None]]:
@@ -95,7 +104,7 @@ def deduped_state_dict(
             f"deduped_state_dict: {type(module).__qualname__} holds no ParallelModule; save "
             f"its state_dict() as it is"
         )
-    sd = module.state_dict()
+    sd = rank_state_dict(module)  # ZeRO stage 3: this rank's shards, nothing gathered
     osd = _with_metadata(pms, optimizer) if optimizer is not None else None
     removers: dict[str, Callable[[], Any]] = {}
     extras = []
@@ -105,8 +114,14 @@ def deduped_state_dict(
         extras.append(extra)
         nonpersistent = dict(extra.get("nonpersistent") or {})
         extra["nonpersistent"] = nonpersistent
+        section = section_of(extra) or []
+        for shard in section:
+            removers[_shard_ident(prefix, shard)] = lambda d=shard: d.__setitem__("shard", None)
+        in_shards = sharded_attrs(section)
         for rec in extra["attrs"]:
             ident = f"{prefix}|{piece_key(rec)}"
+            if rec["attr"] in in_shards:
+                continue  # its values are in the shards
             if in_state_dict(rec):
                 removers[f"M|{ident}"] = lambda k=prefix + rec["attr"]: sd.pop(k, None)
             elif rec["attr"] in nonpersistent:
@@ -230,8 +245,20 @@ class _Restore:
             sd[prefix + EXTRA_KEY] = extra
             nonpersistent = dict(extra.get("nonpersistent") or {})
             extra["nonpersistent"] = nonpersistent
+            section = [dict(r) for r in section_of(extra) or ()]
+            if section:
+                extra[SECTION] = section
+            for shard in section:
+                ident = _shard_ident(prefix, shard)
+                if shard["shard"] is not None:
+                    self._have(ident, shard["shard"])
+                else:
+                    self.fills.append((ident, lambda t, d=shard: d.__setitem__("shard", t)))
+            in_shards = sharded_attrs(section)
             for rec in extra["attrs"]:
                 ident = f"{prefix}|{piece_key(rec)}"
+                if rec["attr"] in in_shards:
+                    continue  # its values are in the shards
                 if in_state_dict(rec):
                     key = prefix + rec["attr"]
                     if key in sd:
@@ -249,7 +276,7 @@ class _Restore:
                     self._have(f"U|{prefix}|{name}", t)
             else:
                 self.open_unheld.append((prefix, extra))
-        for key, value in self.module.state_dict().items():
+        for key, value in rank_state_dict(self.module).items():  # no unit gathered
             if any(owned_by(p, key) for p, _ in self.pms):
                 continue
             if key in sd:

@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.checkpoint.collective import agree
+from nnscaler.checkpoint.module_source import ModuleSource
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.pieces import (
     HubSource,
-    ModuleSource,
     RankFilesSource,
     load_into,
 )
 from nnscaler.checkpoint.safetensors_io import parse_size, write_hub_folder
+from nnscaler.checkpoint.shards import rank_state_dict
 from nnscaler.errors import CheckpointError
 
 __all__ = ["load_pretrained", "load_resharded", "meta_parameters", "save_pretrained"]
@@ -108,7 +109,7 @@ def _model_names(module: torch.nn.Module) -> list[str]:
 
     names: list[str] = []
     pms = parallel_modules(module)
-    for key in module.state_dict():
+    for key in rank_state_dict(module):  # outside the parallel modules: no unit gathered
         if not any(key.startswith(p) and "." not in key[len(p):] for p, _ in pms):
             names.append(key)
     for prefix, pm in pms:

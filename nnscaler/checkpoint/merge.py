@@ -19,6 +19,7 @@ import torch
 from nnscaler.checkpoint.errors import CheckpointError, OptimizerStateError
 from nnscaler.checkpoint.optimizer import is_scalar, unmergeable
 from nnscaler.checkpoint.optimizer_walk import SavedRanks
+from nnscaler.checkpoint.shards import shard_pieces
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     check_format,
@@ -30,6 +31,7 @@ from nnscaler.runtime.state import (
     sub_shape,
     unheld_names,
 )
+from nnscaler.runtime.zero3_state import section_of, sharded_attrs
 
 __all__ = ["merge_state_dicts", "owned_by", "parallel_prefixes"]
 
@@ -140,10 +142,16 @@ class _ModuleView:
         module's order when it is known."""
         pieces: dict[str, _Pieces] = {}
         names: dict[str, list[str]] = {}
+        for _, rec, t in shard_pieces(self.metas, "merge_state_dicts"):
+            pieces.setdefault(rec["name"], _Pieces(rec["name"], rec["shape"],
+                                                   rec.get("model_shape"))).add(
+                rec["index"], rec["value"], t)
+            names.setdefault(rec["name"], list(rec["names"]))
         for i, (sd, meta) in enumerate(zip(self.state_dicts, self.metas)):
             deduped = bool(meta.get("deduped"))
+            in_shards = sharded_attrs(section_of(meta))
             for rec in meta["attrs"]:
-                if not in_state_dict(rec):
+                if not in_state_dict(rec) or rec["attr"] in in_shards:
                     continue
                 key = self.prefix + rec["attr"]
                 t = sd.get(key)

@@ -8,8 +8,11 @@ and reads any box (``[start, stop]`` per dim) of one of them:
 - `RankFilesSource`: the per-rank (or deduped) state-dict files of a parallel module
   saved under some plan, memory-mapped; a box is put together from the pieces the files'
   metadata say cover it (replicas taken once, value parts summed);
-- `ModuleSource`: a live parallel module on every rank (collective): rank 0
-  receives the pieces other ranks hold, one tensor at a time.
+- `nnscaler.checkpoint.module_source.ModuleSource`: a live parallel module on every
+  rank (collective): rank 0 receives the pieces other ranks hold, one tensor at a time.
+
+A ZeRO stage-3 piece is read from, and written into, the shards of several ranks
+(`nnscaler.checkpoint.shards`): no unit is gathered.
 
 `load_into` fills a module (a ParallelModule, or a model holding some) from a
 source: every rank checks every name and shape first, the ranks agree, then each rank
@@ -18,18 +21,17 @@ reads only the boxes of its own pieces, one at a time.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from nnscaler.checkpoint.collective import agree, gather, world
+from nnscaler.checkpoint.collective import agree, gather
 from nnscaler.checkpoint.optimizer import parallel_modules
 from nnscaler.checkpoint.safetensors_io import HubFolder, read_box
+from nnscaler.checkpoint.shards import ShardCatalog, rank_state_dict, shard_job, shard_slice
 from nnscaler.errors import CheckpointError
 from nnscaler.gendir import FULLMODEL
 from nnscaler.runtime.state import (
@@ -45,9 +47,9 @@ from nnscaler.runtime.state import (
     sub_shape,
     unheld_names,
 )
-from nnscaler.runtime.zero3 import gathered
+from nnscaler.runtime.zero3_state import unit_places
 
-__all__ = ["HubSource", "ModuleSource", "RankFilesSource", "load_into"]
+__all__ = ["HubSource", "RankFilesSource", "load_into"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -153,6 +155,7 @@ class _Catalog:
         self.entries: dict[str, _Entry] = {}
         self.alias: dict[str, str] = {}
         self.order: list[str] = []
+        self.zero3 = ShardCatalog()
 
     def entry(self, names: Sequence[str], shape: Sequence[int], dtype: torch.dtype) -> _Entry:
         first = self.alias.get(names[0])
@@ -171,6 +174,7 @@ class _Catalog:
         for prefix in prefixes:
             extra = sd[prefix + EXTRA_KEY]
             check_format(extra, where)
+            in_shards = self.zero3.add(holder, prefix, extra)  # ZeRO stage 3
             for e in extra.get("manifest") or ():  # the original module's order
                 if e["kind"] == "parameter" or e["persistent"]:
                     self.entry([prefix + n for n in e["names"]], e["shape"],
@@ -179,7 +183,9 @@ class _Catalog:
                 if not in_state_dict(rec):
                     continue
                 key = prefix + rec["attr"]
-                if key not in sd:
+                if rec["attr"] in in_shards:
+                    key = in_shards[rec["attr"]]
+                elif key not in sd:
                     if extra.get("deduped"):
                         continue  # another rank's file keeps it
                     raise CheckpointError(f"{where} lacks {key!r}, which its own metadata "
@@ -241,6 +247,17 @@ def model_boxes(shape: Sequence[int], model_shape: Sequence[int],
                           f"state dict was edited after it was saved")
 
 
+def zero3_piece(zero3: ShardCatalog, holder: int, key: str, shard: Any) -> torch.Tensor:
+    """A stage-3 piece (a box of its view, for a ``<key>/view/<d>/<j>`` key) from the
+    slices of its shards."""
+    head, _, sel = key.partition(_VIEW)
+    piece = zero3.read(holder, head, shard)
+    if sel:
+        d, j = (int(x) for x in sel.split("/"))
+        piece = piece.select(d, j).contiguous()
+    return piece
+
+
 def _lookup(sd: Mapping[str, Any], key: str) -> torch.Tensor:
     if _VIEW in key:
         head, sel = key.split(_VIEW, 1)
@@ -275,6 +292,7 @@ class RankFilesSource:
         self.catalog = _Catalog()
         for i, sd in enumerate(self.sds):
             self.catalog.add_state_dict(i, sd, self.where[i])
+        self.catalog.zero3.check(f"{len(self.sds)} files given")
 
     def names(self) -> list[str]:
         return self.catalog.names()
@@ -296,7 +314,17 @@ class RankFilesSource:
                 if path is not None and self.touched[i]:
                     self.sds[i] = _load_mmap(path)  # the old map goes with its last reference
                     self.touched[i] = 0
+        if self.catalog.zero3.owns(key):
+            return zero3_piece(self.catalog.zero3, holder, key, self._shard)
         t = _lookup(self.sds[holder], key)
+        if self.paths[holder] is not None:
+            self.touched[holder] += t.nbytes
+        return t
+
+    def _shard(self, holder: int, prefix: str, pos: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of a ZeRO-3 shard of file ``holder``: the ``pos``-th
+        record of its ``zero3`` section of the module under ``prefix``."""
+        t = shard_slice(self.sds[holder], prefix, pos, lo, hi)
         if self.paths[holder] is not None:
             self.touched[holder] += t.nbytes
         return t
@@ -312,77 +340,6 @@ def _load_mmap(path: Path) -> Mapping[str, Any]:
         raise CheckpointError(f"cannot read the checkpoint file {str(path)!r} "
                               f"({type(e).__name__}: {e}); it is truncated or not a state "
                               f"dict saved with torch.save") from e
-
-
-class ModuleSource:
-    """A live model holding parallel modules, on every rank (collective): every rank
-    calls `read` for the same names in the same order; rank 0 gets the full tensor,
-    the other ranks send it the pieces they are the first holder of and get None."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        _, self.rank, _ = world()
-        self.local = module.state_dict()
-        everyone = gather({k: _shapes_only(v) for k, v in self.local.items()})
-        self.catalog = _Catalog()
-        for r, view in enumerate(everyone):
-            self.catalog.add_state_dict(r, view, f"rank {r}'s module")
-
-    def names(self) -> list[str]:
-        return self.catalog.names()
-
-    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
-        e = self.catalog.entries[self.catalog.alias[name]]
-        return e.shape, e.dtype, "the parallel module"
-
-    def read(self, name: str, index: Sequence[Sequence[int]] | None = None, *,
-             out: torch.Tensor | None = None) -> torch.Tensor | None:
-        e = self.catalog.entries[self.catalog.alias[name]]
-        box = _full_box(e.shape) if index is None else _as_box(index)
-        if self.rank != 0:
-            for (piece_box, _), (holder, key) in e.pieces.items():
-                if holder == self.rank and _intersect(piece_box, box) is not None:
-                    _send(_lookup(self.local, key), 0)
-            return None
-        return e.assemble(box, lambda h, k: self._fetch(e, h, k), "export", out)
-
-    def _fetch(self, e: _Entry, holder: int, key: str) -> torch.Tensor:
-        if holder == 0:
-            return _lookup(self.local, key)
-        box = next(b for (b, _), (h, k) in e.pieces.items() if (h, k) == (holder, key))
-        return _recv(sub_shape(box), e.dtype, holder)
-
-
-def _shapes_only(value: Any) -> Any:
-    """What the other ranks need to know of a state-dict entry: tensors as meta tensors
-    (shape and dtype), metadata without the values of non-persistent buffers."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("meta")
-    if is_extra_state(value):
-        out = {k: v for k, v in value.items() if k != "nonpersistent"}
-        if out.get("unheld"):
-            out["unheld"] = {n: t.to("meta") for n, t in out["unheld"].items()}
-        return out
-    return value
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _send(t: torch.Tensor, dst: int) -> None:
-    buf = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_comm_device())
-    if buf.numel():
-        dist.send(buf, dst)
-
-
-def _recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
-    nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=_comm_device())
-    if nbytes:
-        dist.recv(buf, src)
-    return buf.cpu().view(dtype).reshape(shape)
 
 
 # -- loading into a module -----------------------------------------------------------------
@@ -402,6 +359,15 @@ def _copy_job(target: torch.Tensor, source: Any, name: str, index: Box | None,
         if not direct:
             target.copy_(value)
     return run
+
+
+def _read_held(source: Any, name: str, meta: Any) -> torch.Tensor:
+    """A piece as the module holds it (a box of its view when it is held reshaped)."""
+    if meta.model_shape is None:
+        return source.read(name, meta.index)
+    held = torch.empty(meta.sub_shape, dtype=meta.dtype)
+    _view_job(held, source, name, meta)()
+    return held
 
 
 def _check_spec(what: str, key: str, name: str, source: Any, shape: Sequence[int],
@@ -452,9 +418,7 @@ def load_into(module: torch.nn.Module, source: Any, to_source: Callable[[str], s
     except CheckpointError as e:
         error = e
     agree(error, what)
-    with torch.no_grad(), contextlib.ExitStack() as stack:
-        for _, pm in parallel_modules(module):  # ZeRO stage 3: whole parameters to fill
-            stack.enter_context(gathered(pm, write=True))
+    with torch.no_grad():  # ZeRO stage 3: each piece goes into the shard, nothing gathered
         for job in jobs:
             job()
     for _, pm in parallel_modules(module):
@@ -478,7 +442,7 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
         consumed.update(present)
         return present[0]
 
-    for key, value in module.state_dict().items():  # what lies outside the parallel modules
+    for key, value in rank_state_dict(module).items():  # what lies outside the parallel modules
         if any(key.startswith(p) and "." not in key[len(p):] for p, _ in pms):
             continue
         if not isinstance(value, torch.Tensor):
@@ -488,6 +452,7 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
         jobs.append(_copy_job(_resolve(module, key), source, name, None, False))
     for prefix, pm in pms:
         manifest = plan_manifest(pm)
+        places = unit_places(pm)
         for entry in manifest or ():  # every tensor of the original module, held here or not
             if entry["kind"] == "parameter" or entry["persistent"]:
                 names = [prefix + n for n in entry["names"]]
@@ -501,11 +466,14 @@ def _plan(module: torch.nn.Module, source: Any, available: set[str],
             name = find(names[0], names)
             _check_spec(what, names[0], name, source, meta.model_shape or meta.shape,
                         meta.dtype)
-            if meta.model_shape is not None:  # held reshaped: cut its box from the view
+            place = places.get(id(getattr(pm, attr)))
+            if place is not None:  # in a stage-3 unit: this rank's part of its shard
+                jobs.append(shard_job(place, meta, lambda n=name, m=meta: _read_held(source, n, m)))
+            elif meta.model_shape is not None:  # held reshaped: cut its box from the view
                 jobs.append(_view_job(getattr(pm, attr), source, name, meta))
-                continue
-            jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
-                                  meta.value[0] != 0))
+            else:
+                jobs.append(_copy_job(getattr(pm, attr), source, name, meta.index,
+                                      meta.value[0] != 0))
         jobs += _plan_unheld(pm, prefix, manifest, source, find)
         jobs += _plan_nonpersistent(pm, what)
     return jobs

@@ -25,6 +25,7 @@ from nnscaler.checkpoint.optimizer import (
     unmergeable,
 )
 from nnscaler.checkpoint.optimizer_walk import hyperparameters, local_groups
+from nnscaler.checkpoint.shards import rank_state_dict
 from nnscaler.runtime.state import (
     EXTRA_KEY,
     FORMAT,
@@ -126,7 +127,7 @@ def _local_module_state(module: torch.nn.Module, pms: list[tuple[str, Any]],
     local: dict[str, Any] = {}
     consumed: set[str] = set()
     cls = type(module).__qualname__
-    for key, value in module.state_dict().items():  # the keys outside the parallel modules
+    for key, value in rank_state_dict(module).items():  # the keys outside the parallel modules
         if any(owned_by(p, key) for p, _ in pms):
             continue
         given = full.get(key)

@@ -301,6 +301,13 @@ class NnScalerStrategy(DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # each rank's pieces load into the parallelized model
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Each rank's pieces; with ZeRO stage 3 its shards, nothing gathered
+        (`nnscaler.checkpoint.rank_state_dict`)."""
+        from nnscaler.checkpoint import rank_state_dict
+
+        return rank_state_dict(self.lightning_module)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
                         storage_options: Any = None) -> None:
         from nnscaler.checkpoint import save

@@ -36,11 +36,12 @@ import torch.utils._pytree as pytree
 from nnscaler.config import ReducerConfig
 from nnscaler.errors import ParallelModuleError
 from nnscaler.gendir import FULLMODEL, gencode_name
+from nnscaler.runtime import zero3_state
 from nnscaler.runtime.device import current_device
 from nnscaler.runtime.groups import ensure_groups
 from nnscaler.runtime.partgroup import ProcessPartGroup
 from nnscaler.runtime.reducer import Reducer
-from nnscaler.runtime.zero3 import Zero3Runner, gathered, unit_of
+from nnscaler.runtime.zero3 import Zero3Runner, unit_of
 
 if TYPE_CHECKING:
     from nnscaler.runtime.pipeline import Pipeline
@@ -438,23 +439,43 @@ class ParallelModule(torch.nn.Module):
         from nnscaler.runtime.state import check_module_state_dict, refresh_zero_shards
 
         check_module_state_dict(self, state_dict, prefix, local_metadata)
-        with gathered(self):  # stage 3: the values land in the whole parameters
+        section = zero3_state.section_of(state_dict.get(prefix + "_extra_state"))
+        if section is not None:  # stage-3 shards: no unit is gathered
+            zero3_state.check_shards(self, section, f"{type(self).__qualname__} (rank "
+                                                    f"{self.rank}).load_state_dict")
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
+            held = {prefix + a for a in zero3_state.sharded_attrs(section)}
+            missing_keys[:] = [k for k in missing_keys if k not in held]
             refresh_zero_shards(self)
+            zero3_state.load_shards(self, section)
+            return
+        # stage 3, whole values: each goes straight into this rank's part of its shard
+        units = zero3_state.unit_keys(self, state_dict, prefix)
+        rest = {k: v for k, v in state_dict.items() if k not in units} if units else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in units]
+        refresh_zero_shards(self)
+        for key, (bucket, offset, count) in units.items():
+            zero3_state.write_piece(bucket, offset, count, lambda k=key: state_dict[k])
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        section = zero3_state.section_of(destination.get(prefix + "_extra_state"))
+        for attr in zero3_state.sharded_attrs(section):  # their values are in the shards
+            destination.pop(prefix + attr, None)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """``torch.nn.Module.state_dict``; with ZeRO stage 3 the units are gathered for
-        it and the parameters' values copied out."""
-        if self._zero3 is None:
-            return super().state_dict(*args, **kwargs)
-        with gathered(self):
-            out = super().state_dict(*args, **kwargs)
-            for key, value in out.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata in \
-                        self._zero3.storage_bucket:
-                    out[key] = value.detach().clone()
-            return out
+        """``torch.nn.Module.state_dict``; with ZeRO stage 3 the parameters' values are
+        copied out one unit at a time (each gathered, copied, freed), except inside
+        `nnscaler.runtime.zero3_state.saving_shards` (what the checkpoint functions use),
+        where this rank's shards are saved instead and nothing is gathered."""
+        out = super().state_dict(*args, **kwargs)  # a unit's entries: views of no storage
+        if self._zero3 is not None and not zero3_state.is_saving_shards(self):
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            zero3_state.copy_units_out(self, out, prefix)
+        return out
 
     # -- end of the state-dict section --------------------------------------------------
 

@@ -38,6 +38,7 @@ import torch
 from nnscaler import gendir
 from nnscaler.errors import CheckpointError, StateDictMismatchError
 from nnscaler.gendir import FULLMODEL, gencode_name
+from nnscaler.runtime import zero3_state
 
 if TYPE_CHECKING:
     from nnscaler.runtime.module import AttrMeta, ParallelModule
@@ -396,7 +397,7 @@ def module_extra_state(pm: ParallelModule) -> dict[str, Any]:
         if m.kind == "constant" or (m.kind == "buffer" and not m.persistent)
     }
     unheld = unheld_values(pm)
-    return {
+    out = {
         MARKER: FORMAT,
         "module_class": info.module_class,
         "rank": int(pm.rank),
@@ -408,6 +409,9 @@ def module_extra_state(pm: ParallelModule) -> dict[str, Any]:
         "unheld": dict(unheld) if unheld is not None else None,
         "optimizer": optimizer_descriptors(pm),
     }
+    if zero3_state.is_saving_shards(pm):
+        out[zero3_state.SECTION] = zero3_state.shard_records(pm)
+    return out
 
 
 def load_module_extra_state(pm: ParallelModule, state: Any) -> None:
@@ -504,6 +508,13 @@ def check_module_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], p
                 f"module_state_dict, ...) on every rank"
             )
         compare_records(pm, extra.get("attrs", []), prefix, where)
+        if zero3_state.section_of(extra) is not None and pm._zero3 is None:
+            raise CheckpointError(
+                f"{where}: the state dict holds ZeRO stage-3 shards (this rank's part of each "
+                f"gathering unit), and this module is not stage 3, so it has no shard to put "
+                f"them in; load every rank's files with nnscaler.load_resharded(module, "
+                f"files, ...), or merge them with nnscaler.merge_state_dicts"
+            )
     for attr, meta in pm.fullmap.items():
         if meta.kind == "constant" or (meta.kind == "buffer" and not meta.persistent):
             continue

@@ -173,15 +173,15 @@ class Checkpointer:
         t = self.trainer
         save_type = t.args.checkpoint.save_type
         state = self._state()
-        if save_type == "sharded":
-            state["model"] = t.model.state_dict()
+        if save_type == "sharded":  # ZeRO stage 3: the rank's shards, nothing gathered
+            state["model"] = ck.rank_state_dict(t.model)
             state["optimizer"] = t.optimizer.state_dict()
             ck.save(state, layout.rank_file(folder, t.rank))
         elif save_type == "deduped":
             state["model"], state["optimizer"] = ck.deduped_state_dict(t.model, t.optimizer)
             ck.save(state, layout.rank_file(folder, t.rank))
         else:
-            model_sd = _to_cpu(t.model.state_dict())
+            model_sd = _to_cpu(ck.rank_state_dict(t.model))
             opt_sd = _to_cpu(t.optimizer.state_dict())
             gathered = gather((model_sd, opt_sd, state["rng_states"]), t.rank, t.world_size)
             if gathered is not None:  # rank 0

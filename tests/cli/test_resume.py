@@ -114,3 +114,32 @@ def test_zero_stage2_and_3_resume_is_bitwise(tmp_path, stage):
 
 def _plain_dp(rank, world, tmp):
     return run_trainer(_args(Path(tmp), "plain", 8, "sharded", world=world))
+
+
+def _zero3_stop_at_5(rank, world, tmp):
+    from nnscaler import ComputeConfig
+
+    cfg = ComputeConfig(1, world, use_end2end=True, zero_stage=3)
+    run_trainer(_args(Path(tmp), "z3", 5, "sharded", dataset=FixedDataset, world=world,
+                      compute_config=cfg, instance_name="zero3_w2"))
+
+
+def test_zero_stage3_resume_on_another_number_of_processes(tmp_path):
+    """A stage-3 run on 2 processes saves shards; one process (stage 3 too) resumes from
+    them (load_resharded) and ends where the uninterrupted one-process run does."""
+    from nnscaler import ComputeConfig
+
+    full = run_trainer(_args(tmp_path, "full", 11, "sharded", dataset=FixedDataset))
+    run_distributed(_zero3_stop_at_5, 2, str(tmp_path))
+    from nnscaler.trainer import ckpt_layout
+
+    last = ckpt_layout.complete_checkpoints(tmp_path / "z3")[-1]
+    saved = torch.load(ckpt_layout.rank_file(last, 0), weights_only=True)
+    extras = [v for k, v in saved["model"].items() if k.endswith("_extra_state")]
+    assert extras and all(e["zero3"] for e in extras)  # the shards, not gathered parameters
+    cfg = ComputeConfig(1, 1, use_end2end=True, zero_stage=3)
+    resumed = run_trainer(_args(tmp_path, "z3", 11, "sharded", "last", dataset=FixedDataset,
+                                compute_config=cfg, instance_name="zero3_w1"))
+    assert resumed["step"] == 11
+    assert_same_weights(merged_weights([resumed]), merged_weights([full]), exact=False)
+    torch.testing.assert_close(resumed["losses"], full["losses"][5:], rtol=1e-5, atol=0)

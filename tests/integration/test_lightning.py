@@ -190,6 +190,12 @@ def _zero_worker(rank, world, tmp):
         assert chosen == stage or (stage == "auto" and chosen in (0, 1, 2, 3))
         path = os.path.join(tmp, f"zero{stage}.ckpt")
         trainer.save_checkpoint(path)
+        if stage == 3:  # each rank's file holds its shards, not gathered parameters
+            from nnscaler.integration.lightning import rank_checkpoint_path
+
+            saved = torch.load(rank_checkpoint_path(path, rank), weights_only=False)
+            assert [v["zero3"] for k, v in saved["state_dict"].items()
+                    if k.endswith("_extra_state")][0]
         merged, _ = merge_checkpoint(path)
         plain = GPTWithLoss(config)
         plain.load_state_dict(merged)
