@@ -20,7 +20,9 @@ Backward reduce-scatters each unit's gradients as in stage 2 (`nnscaler.runtime.
 and frees the unit's parameters once its gradients are launched: they are not needed
 again in that backward (autograd accumulates a parameter's gradient after every use).
 Outside forward and backward every unit is freed; `gathered` gives the whole parameters
-for a while (``state_dict()`` and ``load_state_dict()`` use it). See ``docs/zero.md``.
+for a while. ``state_dict()`` gathers one unit at a time for the copy it returns;
+checkpoints hold each rank's shards and load straight into them, gathering nothing
+(`nnscaler.runtime.zero3_state`). See ``docs/zero.md``.
 
 Recomputation (`Zero3Runner.recomputing` wraps each generated ``_recompute_*`` method):
 a checkpointed piece's forward runs under the same hooks; when backward runs it again
