@@ -54,6 +54,8 @@ KEYS: dict[str, str] = {
                    "the step and the gradient sum are spread over them in the cost model",
     "task_name": "a name for the run (nnScaler's label; logged above the plan)",
     "plot_path": "save a picture of the plan there (needs the [plot] extra)",
+    "expert_imbalance": "the busiest device's token-expert pairs over the mean that an "
+                        "expert-parallel split is costed with (>= 1, default 1.0: even)",
 }
 
 
@@ -99,6 +101,7 @@ class AutoDistConfig:
     task_name: str | None = None
     verbose: bool = False
     plot_path: Path | None = None
+    expert_imbalance: float = 1.0
 
 
 def _path(key: str, value: Any) -> Path | None:
@@ -209,9 +212,14 @@ def _device_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _nnscaler_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """nnScaler's ``update_freq`` and ``task_name``, checked."""
+    """nnScaler's ``update_freq`` and ``task_name``, and ``expert_imbalance``, checked."""
     task = cfg.get("task_name")
     if task is not None and not isinstance(task, str):
         raise _bad("task_name", task, "a str")
+    imbalance = cfg.get("expert_imbalance", 1.0)
+    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) \
+            or not imbalance >= 1.0:
+        raise _bad("expert_imbalance", imbalance, "a number >= 1.0 (the busiest device's "
+                   "tokens over the mean; 1.0 for an even routing, e.g. 1.3)")
     return {"update_freq": _positive_int("update_freq", cfg.get("update_freq", 1)),
-            "task_name": task}
+            "task_name": task, "expert_imbalance": float(imbalance)}

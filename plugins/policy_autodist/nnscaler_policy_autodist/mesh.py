@@ -50,6 +50,9 @@ class Mesh:
     #: device, above the limit
     pruned: str | None = None
     bound: float | None = None
+    #: the expert-parallel degree (`nnscaler_policy_autodist.experts`): the MoE ops'
+    #: experts are split over stages of this many devices (1: not split by experts)
+    experts: int = 1
 
     @property
     def fits(self) -> bool:
@@ -66,6 +69,8 @@ class Mesh:
 
     def describe(self) -> str:
         where = f", {self.stages} stages" if self.stages > 1 else ""
+        if self.experts > 1:
+            where += f", expert degree {self.experts}"
         return f"{self.replicas} replica(s) x unit of {self.unit} device(s){where}"
 
 

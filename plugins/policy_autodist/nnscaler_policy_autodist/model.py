@@ -63,6 +63,7 @@ from nnscaler.extend import (
 )
 from nnscaler_policy_autodist import twoaxis
 from nnscaler_policy_autodist.comm import CommModel
+from nnscaler_policy_autodist.experts import held_to_degree, imbalanced
 from nnscaler_policy_autodist.profile import ComputeProfiler
 from nnscaler_policy_autodist.sequence import (
     PartTimes,
@@ -155,7 +156,7 @@ class CostModel:
                  micro_batches: int = 1, share: float = 1.0,
                  overlap_grads: bool = False, unit: int | None = None,
                  zero_stage: int | None = None, parts: PartTimes | None = None,
-                 two_axis: bool = True) -> None:
+                 two_axis: bool = True, expert_imbalance: float = 1.0) -> None:
         self.profiler = profiler
         #: the measured times of the sequence splits whose parts talk (`sequence`)
         self.parts = parts
@@ -179,6 +180,11 @@ class CostModel:
         self.two_axis = two_axis  # also data x tensor splits of an op (`twoaxis`)
         self._two: dict[tuple[Op, int], list[TwoAxis]] = {}  # asked again for every stage
         self._layouts: dict = {}  # of the two-axis options (`twoaxis.layouts`)
+        #: the busiest device's token-expert pairs over the mean under an expert split
+        #: (`nnscaler_policy_autodist.experts`): its exchanges and its experts' work scale
+        self.expert_imbalance = expert_imbalance
+        #: the expert degree this model is held to (`experts.ExpertAxis.restrict`)
+        self.expert_degree: int | None = None
         self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
 
     # -- options ------------------------------------------------------------------------
@@ -202,6 +208,8 @@ class CostModel:
                 if (op, k) not in self._two:
                     self._two[op, k] = two_axis_transforms(op, k, self._layouts)
                 out += [t for t in self._two[op, k] if twoaxis.allowed(t, allowed)]
+        if self.expert_degree is not None:  # a point of the expert axis (`experts`)
+            out = held_to_degree(op, out, self.expert_degree)
         if not out:  # constraints that leave nothing: replicate (reported by the caller)
             out.append(None)
         return out
@@ -226,6 +234,7 @@ class CostModel:
             else op_layouts(op, t, k)
         got = self.parts.time(op, t, k) if self.parts is not None else None
         fw, bw = got if got is not None else self.profiler.time(op, t, k)
+        fw, bw = imbalanced(op, t, fw, bw, self.expert_imbalance)
         grads = not op.no_grad and any(g for _, _, g in reads)
         recomputed = op.oid in self.recompute
         compute = fw + (bw if grads else 0.0) + (fw if recomputed and grads else 0.0)
@@ -296,7 +305,8 @@ class CostModel:
         ring step) as the all-reduce that moves its bytes once over a link, each
         ``all_to_all`` (the token exchange of expert parallelism, its backward the same)
         as the all-reduce of half its bytes (each moves ``(k-1)/k`` of them per rank, an
-        all-reduce twice that)."""
+        all-reduce twice that), times ``expert_imbalance`` (the busiest device's tokens
+        over the mean: its exchange is the slowest)."""
         if t is None or t.part_op is None or k <= 1:
             return 0.0
         total = 0.0
@@ -305,7 +315,7 @@ class CostModel:
             if call.kind == "send_recv":  # an all-reduce moves 2(k-1)/k of its bytes
                 nbytes = call.nbytes * k / (2 * (k - 1))
             elif call.kind == "all_to_all":
-                nbytes = call.nbytes / 2
+                nbytes = call.nbytes / 2 * self.expert_imbalance
             else:
                 nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
             once = self.comm.allreduce_time(nbytes, k, bucketed=False)

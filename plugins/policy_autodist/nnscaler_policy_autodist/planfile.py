@@ -77,6 +77,7 @@ def to_json(result: AutoDistResult) -> dict[str, Any]:
     if result.meshes:
         out["mesh"] = {"replicas": result.meshes[0].replicas, "unit": result.meshes[0].unit,
                        "runtime_ngpus": result.meshes[0].replicas * result.meshes[0].unit,
+                       "experts": result.meshes[0].experts,
                        "searched": [_mesh(m) for m in result.meshes]}
     if result.zero_stages:
         out["zero_stages_searched"] = [
@@ -90,7 +91,7 @@ def _mesh(m: Any) -> dict[str, Any]:
     return {"replicas": m.replicas, "unit": m.unit, "stages": m.stages, "fits": m.fits,
             "step_time_ms": None if m.step_time is None else m.step_time * 1e3,
             "time_per_batch_ms": None if m.step_time is None else m.time_per_batch * 1e3,
-            "memory_gb": m.memory / 1024**3, "pruned": m.pruned,
+            "memory_gb": m.memory / 1024**3, "pruned": m.pruned, "experts": m.experts,
             "bound_ms": None if m.bound is None else m.bound * 1e3}
 
 

@@ -46,6 +46,7 @@ from nnscaler_policy_autodist.comm import (
 )
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
+from nnscaler_policy_autodist.experts import ExpertAxis, search_unit
 from nnscaler_policy_autodist.mesh import (
     Mesh,
     rank_meshes,
@@ -58,7 +59,6 @@ from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
     count_layers,
     search_pipeline,
-    search_pipeline_bounded,
     stage_counts,
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
@@ -225,14 +225,15 @@ class _Bounds:
     def __init__(self, ops: list[Op], cfg: AutoDistConfig, nmicros: int) -> None:
         self.ops, self.cfg, self.nmicros = ops, cfg, nmicros
         self.layers = count_layers(ops)
-        self._floor: dict[int, float] = {}
+        self._floor: dict[tuple[int, int], float] = {}
         self._same = _templates(ops)
         self._weights: dict[tuple[int, bool, float], float] = {}
 
-    def floor(self, model: CostModel, k: int) -> float:
-        if k not in self._floor:
-            self._floor[k] = compute_floor(self.ops, model, k, self._same)
-        return self._floor[k]
+    def floor(self, model: CostModel, k: int, key: int = 0) -> float:
+        """``key``: the expert degree ``model`` is held to (`experts.ExpertAxis`)."""
+        if (k, key) not in self._floor:
+            self._floor[k, key] = compute_floor(self.ops, model, k, self._same)
+        return self._floor[k, key]
 
     def weights(self, model: CostModel) -> float:
         """Bytes a unit holds at least over its devices: weights and one micro-batch's
@@ -243,9 +244,9 @@ class _Bounds:
                                   + activations_floor(self.ops, model))
         return self._weights[key]
 
-    def step(self, model: CostModel, n: int, s: int) -> float:
+    def step(self, model: CostModel, n: int, s: int, key: int = 0) -> float:
         """Lower bound on the step time of ``s`` stages of ``n // s`` devices."""
-        return step_bound(self.floor(model, n // s), s, self.nmicros, model.share)
+        return step_bound(self.floor(model, n // s, key), s, self.nmicros, model.share)
 
     def per_batch(self, model: CostModel, n: int, runtime: int) -> float:
         """Lower bound on the time per batch of unit size ``n``."""
@@ -261,27 +262,19 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
     found: dict[int, tuple] = {}
     bounds = _Bounds(ops, cfg, nmicros)
 
+    axis = ExpertAxis(ops)
+
     def search(n: int, cap: float | None, memory_floor: bool = True) -> Mesh | None:
-        replicas = runtime // n
-        least = bounds.weights(models[n]) / n
-        if memory_floor and limit is not None and least > limit:
+        # the expert degree is an axis inside the unit (`experts.search_unit`)
+        mesh, plan = search_unit(axis, ops, n, models[n], cfg, limit, nmicros, outputs,
+                                 bounds, runtime, cap, memory_floor)
+        if mesh is not None and mesh.pruned == "memory":
             logger.info("autodist: unit of %d device(s) skipped: its weights and activations "
-                        "need at least "
-                        "%.3f GB per device", n, least / 1024**3)
-            return Mesh(n, replicas, None, least, pruned="memory")
-        try:
-            plan = search_pipeline_bounded(
-                ops, n, models[n], cfg, limit, nmicros, outputs,
-                bound=lambda s: bounds.step(models[n], n, s), cap=cap)
-        except NoPlanFits as e:
-            return Mesh(n, replicas, None, e.need)
-        if plan is None:
-            return None
-        found[n] = plan
-        pipe, _, sols = plan
-        mesh = Mesh(n, replicas, pipe.step_time, max(s.mem for s in sols), pipe.nstages)
-        logger.info("autodist: mesh %s: estimated step %.3f ms", mesh.describe(),
-                    pipe.step_time * 1e3)
+                        "need at least %.3f GB per device", n, mesh.memory / 1024**3)
+        if plan is not None:
+            found[n] = plan
+            logger.info("autodist: mesh %s: estimated step %.3f ms", mesh.describe(),
+                        mesh.step_time * 1e3)
         return mesh
 
     meshes = search_meshes(models, runtime,
@@ -387,7 +380,7 @@ def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, A
                                  micro_batches=nmicros * cfg.update_freq,
                                  share=core_share() if here else 1.0,
                                  overlap_grads=_reduces_in_backward(config, z), unit=n,
-                                 parts=parts)
+                                 parts=parts, expert_imbalance=cfg.expert_imbalance)
                     for n in sizes} for z in zero_stages}
     models = by_stage[zero_stages[0]]  # the options, what is profiled, are the same
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory

@@ -289,7 +289,11 @@ class ComputeProfiler:
         to each other (its rule's ``part_op`` is collective): the part op is called once
         on meta tensors of the part's shapes with a `RecordingGroup`, which notes
         every ``all_reduce`` and ``all_gather``. Empty for other splits."""
-        memo = ("collectives", id(op), t, num)
+        # by content: the instances of a repeated layer, and transforms made anew (a
+        # restricted model's), that split the same shapes by the same rule record once
+        memo = ("collectives", op.name, repr(op.kwargs),
+                tuple((tuple(x.shape), x.dtype) for x in op.input_tensors()),
+                t.part_op, repr(t.inputs), repr(t.outputs), num)
         if memo in self._memo:
             return self._memo[memo]  # type: ignore[return-value]
         calls: tuple[PartCall, ...] = ()
