@@ -12,11 +12,19 @@ project's ``GPTWithLoss``, hidden 6144, 48 heads, 40 layers, vocabulary 51200, s
 2048) for 256 devices as units of 8, with ``--recompute`` every block recomputed (the
 code generation of 40 x 3 checkpointed pieces per rank); goal under 15 s.
 
+``--model deepseek-v3``: a DeepSeek-V3-shaped MoE (`deepseek_v3.py`: 61 layers, the
+first 3 dense, 256 routed experts top-8 and a shared expert, hidden 7168; multi-head latent
+attention approximated by standard attention with its parameter count) for 2048 devices
+given only ``runtime_ngpus`` (``plan_ngpus='auto'``): autodist chooses the unit, the
+stages and the expert degree (`nnscaler_policy_autodist.experts`); expert and tensor
+splits up to 64 devices (``--max-degree``); goal under 120 s.
+
 Usage::
 
     python bench/autodist/bench_scale.py [--layers 80] [--plan-ngpus 64|auto]
         [--runtime-ngpus 1024] [--batch 1] [--seq 4096] [--profile PATH] [--no-two-axis]
     python bench/autodist/bench_scale.py --model gpt18b --recompute
+    python bench/autodist/bench_scale.py --model deepseek-v3
 
 ``--batch`` sequences of ``--seq`` tokens are the traced batch (what one scale unit
 computes per micro-batch); ``--plan-ngpus auto`` lets autodist choose the unit size too
@@ -151,7 +159,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1, help="sequences in the traced batch")
     ap.add_argument("--profile", metavar="PATH", help="also write a cProfile of parallelize")
-    ap.add_argument("--model", choices=("llama70b", "gpt18b"), default="llama70b")
+    ap.add_argument("--model", choices=("llama70b", "gpt18b", "deepseek-v3"),
+                    default="llama70b")
+    ap.add_argument("--max-degree", type=int, default=None,
+                    help="the largest split of a stage (default 8; 64 for deepseek-v3)")
     ap.add_argument("--recompute", action="store_true", help="recompute every layer")
     ap.add_argument("--no-two-axis", action="store_true",
                     help="leave out two-axis (data x tensor) splits inside a stage")
@@ -159,6 +170,11 @@ def main() -> None:
     if args.model == "gpt18b":
         for name, default, value in (("layers", 80, 40), ("plan_ngpus", 64, 8),
                                      ("runtime_ngpus", 1024, 256), ("seq", 4096, 2048)):
+            if getattr(args, name) == default:
+                setattr(args, name, value)
+    if args.model == "deepseek-v3":
+        for name, default, value in (("layers", 80, 61), ("plan_ngpus", 64, "auto"),
+                                     ("runtime_ngpus", 1024, 2048)):
             if getattr(args, name) == default:
                 setattr(args, name, value)
     logging.basicConfig(level=logging.WARNING)
@@ -170,7 +186,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     pas = {"device_type": "H100", "mem_constraint": 80, "pipeline_nstages": "auto",
-           "pipeline_nmicros": 16, "max_partition_degree": 8}
+           "pipeline_nmicros": 16,
+           "max_partition_degree": args.max_degree or (64 if args.model == "deepseek-v3" else 8)}
     if args.model == "gpt18b":
         from nnscaler.models.gpt import GPTConfig, GPTWithLoss
 
@@ -179,6 +196,12 @@ def main() -> None:
         with torch.device("meta"):
             model = GPTWithLoss(gcfg).to(torch.bfloat16)
         block = "Block"
+    elif args.model == "deepseek-v3":
+        from deepseek_v3 import DeepSeekV3LM, DeepSeekV3Shape
+
+        with torch.device("meta"):
+            model = DeepSeekV3LM(DeepSeekV3Shape(layers=args.layers)).to(torch.bfloat16)
+        block = "Layer"
     else:
         cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672,
                                        num_hidden_layers=args.layers, num_attention_heads=64,
@@ -240,7 +263,7 @@ def main() -> None:
                                       for k, v in phases.items()))
     print("phases, CPU time of this process (s): " + ", ".join(
         f"{k} {v:.2f}" for k, v in clock.cpu.items()))
-    target = 15.0 if args.model == "gpt18b" else TARGET_S
+    target = {"gpt18b": 15.0, "deepseek-v3": 120.0}.get(args.model, TARGET_S)
     print(f"{args.model} {args.layers} layers{' (recomputed)' if args.recompute else ''}, {params / 1e9:.1f} B parameters (meta), built in "
           f"{built:.1f} s; parallelize(load_module=False) for {args.runtime_ngpus} devices "
           f"(plan_ngpus {args.plan_ngpus}): {seconds:.1f} s (goal < {target} s): "

@@ -216,15 +216,18 @@ def chosen_degree(problems: Sequence, solutions: Sequence) -> int:
 # long: one unit's branch and bound over the axis, with the four outcomes a unit can have
 def search_unit(axis: ExpertAxis, ops: Sequence[Op], n: int, model, cfg, limit: float | None,
                 nmicros: int, outputs: Sequence, bounds, runtime: int, cap: float | None,
-                memory_floor: bool = True):
+                memory_floor: bool = True, search_pipeline: Callable | None = None):
     """The best mesh of unit size ``n`` over its expert degrees (`search_axis`), as
     ``policy._search_meshes`` wants it: ``(mesh, plan)``; ``mesh`` is ``None`` when every
     degree that fits was pruned by ``cap``; a mesh that does not fit carries the least
     memory any degree needs (``pruned='memory'`` when that is only its floor).
-    ``bounds`` is the policy's ``_Bounds`` (the computation and memory floors)."""
+    ``bounds`` is the policy's ``_Bounds`` (the computation and memory floors);
+    ``search_pipeline`` the pipeline search of one point (default
+    `pipeline.search_pipeline_bounded`)."""
     from nnscaler_policy_autodist.mesh import Mesh
     from nnscaler_policy_autodist.pipeline import search_pipeline_bounded, stage_counts
 
+    search_pipeline = search_pipeline or search_pipeline_bounded
     replicas = runtime // n
     counts = stage_counts(n, cfg, len(ops), bounds.layers)
     degrees = axis.degrees(n, counts)
@@ -245,9 +248,8 @@ def search_unit(axis: ExpertAxis, ops: Sequence[Op], n: int, model, cfg, limit: 
 
     def run(e: int, above: float | None) -> tuple | None:
         c = cfg if e == 1 else attrs.evolve(cfg, pipeline_nstages=n // e)
-        return search_pipeline_bounded(ops, n, models[e], c, limit, nmicros, outputs,
-                                       bound=lambda s: bounds.step(models[e], n, s, key(e)),
-                                       cap=above)
+        return search_pipeline(ops, n, models[e], c, limit, nmicros, outputs,
+                               bound=lambda s: bounds.step(models[e], n, s, key(e)), cap=above)
 
     points = search_axis(degrees, bound, least, limit if memory_floor else None, cap, run)
     best = best_point(points)

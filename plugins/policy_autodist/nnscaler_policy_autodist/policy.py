@@ -59,6 +59,7 @@ from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
     count_layers,
     search_pipeline,
+    search_pipeline_bounded,
     stage_counts,
 )
 from nnscaler_policy_autodist.profile import ComputeProfiler, core_share
@@ -267,7 +268,8 @@ def _search_meshes(ops: list[Op], models: dict[int, CostModel], cfg: AutoDistCon
     def search(n: int, cap: float | None, memory_floor: bool = True) -> Mesh | None:
         # the expert degree is an axis inside the unit (`experts.search_unit`)
         mesh, plan = search_unit(axis, ops, n, models[n], cfg, limit, nmicros, outputs,
-                                 bounds, runtime, cap, memory_floor)
+                                 bounds, runtime, cap, memory_floor,
+                                 search_pipeline=search_pipeline_bounded)
         if mesh is not None and mesh.pruned == "memory":
             logger.info("autodist: unit of %d device(s) skipped: its weights and activations "
                         "need at least %.3f GB per device", n, mesh.memory / 1024**3)
