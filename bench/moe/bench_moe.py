@@ -14,7 +14,13 @@ in the same processes and timed step by step, interleaved (``bench/_launch.py``)
 - ``ffn-tp``: the ``megatron`` policy with ``tensor_model_parallel_size = world`` and no
   expert parallelism: every expert split by its intermediate units (each rank holds
   ``1 / world`` of ``gate_up``, its gate rows and its up rows, and of ``down``), every
-  rank running the unit's tokens, the same batch as ``ep``.
+  rank running the unit's tokens, the same batch as ``ep``;
+- ``autodist`` (with ``--autodist``): the ``autodist`` policy on a unit of ``world``
+  devices, the batch of ``ep``, with a memory limit (``--autodist-mem`` GB per device;
+  default: halfway between what the experts need split over the unit and what they need
+  whole, so that the replicated experts cannot meet it), ``expert_imbalance``
+  ``--imbalance``; its estimated step (the plan file's) is printed against its measured
+  step, with the expert degree it chose.
 
 Reported: the median step (a step as slow as its slowest rank) and its ratio to
 ``dense``; the bytes of expert weights per rank; the all-to-all's share of the ``ep``
@@ -23,6 +29,7 @@ mean); the busiest rank's token-expert pairs over the mean (``imbalance``). Prin
 table, then one JSON line. Usage::
 
     python bench/moe/bench_moe.py [--world 4] [--experts 8] [--steps 10]
+        [--autodist [--optimizer adam]]
 """
 
 from __future__ import annotations
@@ -110,6 +117,24 @@ class A2ATimer:
         collectives.raw_all_to_all_uneven = timed
 
 
+def _autodist_limit(args: argparse.Namespace, world: int) -> float:
+    """GB per device: halfway between the experts' bytes (parameter, gradient, Adam's two
+    states) split over ``world`` and whole, plus the rest of the weights whole."""
+    model = MoELM(args.layers, args.hidden, args.ffn, args.experts, 0.0)
+    experts = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 3)
+    rest = sum(p.numel() * 4 for p in model.parameters() if p.dim() != 3)
+    return 4 * (rest + experts * (1 + 1 / world) / 2) / 2**30
+
+
+def _autodist_config(args: argparse.Namespace, world: int, root: str) -> Any:
+    from nnscaler import ComputeConfig
+
+    limit = args.autodist_mem or _autodist_limit(args, world)
+    return ComputeConfig(world, world, use_end2end=True, pas_config={
+        "mem_constraint": limit, "expert_imbalance": args.imbalance,
+        "profile_dir": f"{root}/profile", "save_plan_path": f"{root}/autodist-plan.json"})
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     from nnscaler import ComputeConfig, parallelize
     from nnscaler.ops.builtin.moe import record_routing
@@ -117,7 +142,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[st
     dims = (args.layers, args.hidden, args.ffn, args.experts)
     per_rank = args.samples
     modules, steps, info = {}, {}, {}
-    for mode in ("dense", "ep", "ep-skewed", "ffn-tp"):
+    modes = ("dense", "ep", "ep-skewed", "ffn-tp") + (("autodist",) if args.autodist else ())
+    for mode in modes:
         model = MoELM(*dims, skew=100.0 if mode == "ep-skewed" else 0.0)
         if mode == "dense":
             cfg, policy, batch = ComputeConfig(1, world, use_end2end=True), "dp", \
@@ -127,6 +153,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[st
 
             cfg = megatron_compute_config(tensor_model_parallel_size=world, use_end2end=True)
             policy, batch = "megatron", _batch(per_rank * world, 0)
+        elif mode == "autodist":
+            cfg, policy = _autodist_config(args, world, root), "autodist"
+            batch = _batch(per_rank * world, 0)
         else:
             cfg = ComputeConfig(world, world, use_end2end=True,
                                 pas_config={"expert_parallel": True})
@@ -135,7 +164,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[st
             warnings.simplefilter("ignore")
             pm = parallelize(model, {"batch": batch}, policy, cfg, gen_savedir=root,
                              instance_name=mode)
-        opt = torch.optim.SGD(pm.parameters_for_optimizer(), lr=1e-3)
+        opt = (torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD)(
+            pm.parameters_for_optimizer(), lr=1e-3)
 
         def step(pm: Any = pm, opt: Any = opt, batch: Any = batch) -> torch.Tensor:
             loss = pm.train_step([batch])[0]
@@ -172,9 +202,16 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2, help="sequences of 64 tokens per rank")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--autodist", action="store_true", help="also autodist's plan")
+    p.add_argument("--autodist-mem", type=float, default=None, help="its limit, GB/device")
+    p.add_argument("--imbalance", type=float, default=1.0, help="its expert_imbalance")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="every mode's optimizer (autodist's estimate assumes Adam)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
         results = launch(_rank, args.world, args, root)
+        plan = (json.loads(Path(root, "autodist-plan.json").read_text())
+                if args.autodist else None)
     table = compare_modes(results, "dense", args.steps, "step_ratio_to_dense")
     infos = [r["info"] for r in results]
     out: dict[str, Any] = {"world": args.world, "experts": args.experts, "modes": {}}
@@ -189,6 +226,18 @@ def main() -> None:
     share = statistics.mean(i["a2a_share"] for i in infos)
     out["a2a_share_of_ep_step"] = round(share, 3)
     print(f"all-to-all share of the ep step: {share:.1%}")
+    if plan is not None:
+        estimate = plan["estimate"]["step_time_ms"]
+        measured = table["autodist"]["median_ms"]
+        splits = {json.dumps(o["split"]) for o in plan["ops"] if o["op"].endswith("moe_experts")}
+        expert = any(s in ('{"idx": 3, "dim": 0}', '{"idx": 4, "dim": 0}') for s in splits)
+        out["autodist"] = {"estimate_ms": round(estimate, 2), "measured_ms": round(measured, 2),
+                           "estimate_over_measured": round(estimate / measured, 3),
+                           "moe_splits": sorted(splits), "expert_parallel": expert,
+                           "optimizer": args.optimizer}
+        print(f"autodist: {'expert parallel' if expert else 'no expert split'} "
+              f"(moe splits {sorted(splits)}); estimated {estimate:.1f} ms, measured "
+              f"{measured:.1f} ms: estimate / measured {estimate / measured:.3f}")
     print(json.dumps(out))
 
 
