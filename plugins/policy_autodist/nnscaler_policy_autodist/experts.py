@@ -3,8 +3,9 @@ searched.
 
 A stage of ``k`` devices may split an MoE layer's experts (`nnscaler.extend.is_moe`) three
 ways, as any op, by its transform space: by tokens (every device holds every expert), by
-every expert's intermediate units (the ffn split: ``down_proj`` sharded, ``gate_up_proj``
-replicated and sliced), or by experts (expert parallelism: device ``p`` holds ``E / k`` of
+every expert's intermediate units (the ffn split: ``down_proj`` sharded, and
+``gate_up_proj`` when the tracer holds it as its ``[E, 2, F, H]`` view, else replicated
+and sliced), or by experts (expert parallelism: device ``p`` holds ``E / k`` of
 them and exchanges tokens with an all-to-all). The model costs each from its profile and
 the collectives its part op records (`CostModel.part_comm`). Routing is not known when
 planning, so the profile routes evenly; ``pas_config['expert_imbalance']`` (``f >= 1``,
@@ -21,8 +22,9 @@ experts (every stage count of the unit), ``e > 1`` with every MoE op whose exper
 stages (a stage splits every op in as many parts as it has devices: the expert degree is
 the stage's degree). Each point has its own lower bounds (`ExpertAxis.compute_floor`,
 `ExpertAxis.memory_floor`): with ``e = 1`` every device of a stage holds each of its MoE
-layers' ``gate_up_proj`` whole (no other split shards it), which rules that point out by
-memory when the experts dominate; with ``e > 1`` only the expert split's time counts. The
+layers' ``gate_up_proj [E, 2F, H]`` whole (no other split shards it; one held as its
+``[E, 2, F, H]`` view is sharded by the ffn split and not counted), which rules that point
+out by memory when such experts dominate; with ``e > 1`` only the expert split's time counts. The
 best plan of a unit is the best of its points, so the bounds of the points bound the unit.
 """
 
@@ -90,14 +92,16 @@ def expert_degrees(ops: Sequence[Op], n: int, stage_counts: Sequence[int]) -> li
 
 
 def _gate_up_bytes(ops: Sequence[Op]) -> list[int]:
-    """Bytes of each trained ``gate_up_proj`` an MoE op is the first to read."""
+    """Bytes of each trained ``gate_up_proj [E, 2F, H]`` an MoE op reads: held whole by
+    every split but the expert split. (One the tracer holds as the view ``[E, 2, F, H]``,
+    `nnscaler.ops.builtin.moe.gate_up_view`, is split by the ffn split too: not counted.)"""
     seen: set = set()
     out = []
     for op in ops:
         if not is_moe(op):
             continue
         full = op.input_tensors()[3].full
-        if full in seen or not full.requires_grad:
+        if full in seen or not full.requires_grad or len(op.anno.input_shapes[3]) != 3:
             continue
         seen.add(full)
         out.append(full.numel * full.dtype.itemsize)

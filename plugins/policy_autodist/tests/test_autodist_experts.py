@@ -47,9 +47,15 @@ class MoELM(nn.Module):
     """Embedding, ``layers`` blocks of a routed-experts layer (top-2) and a shared
     linear, a head: the experts hold nearly all the weights when ``experts`` is large."""
 
-    def __init__(self, experts: int = 8, hidden: int = 16, ffn: int = 32, layers: int = 2):
+    def __init__(self, experts: int = 8, hidden: int = 16, ffn: int = 32, layers: int = 2,
+                 top_k: int = 2, dense: int = 0):
         super().__init__()
         torch.manual_seed(0)
+        self.top_k = top_k
+        # a dense MLP of ``dense`` units before each MoE layer (what attention would cost)
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(hidden, dense), nn.GELU(),
+                                                nn.Linear(dense, hidden))
+                                  for _ in range(layers if dense else 0))
         self.embed = nn.Embedding(VOCAB, hidden)
         self.routers = nn.ModuleList(nn.Linear(hidden, experts, bias=False)
                                      for _ in range(layers))
@@ -63,9 +69,11 @@ class MoELM(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x = self.embed(batch["input_ids"])
         b, s, h = x.shape
-        for router, gate_up, down in zip(self.routers, self.gate_up, self.down):
+        for i, (router, gate_up, down) in enumerate(zip(self.routers, self.gate_up, self.down)):
+            if self.mlps:
+                x = x + self.mlps[i](x)
             flat = x.reshape(b * s, h)
-            weights, index = router(flat).softmax(-1).topk(2, dim=-1)
+            weights, index = router(flat).softmax(-1).topk(self.top_k, dim=-1)
             routed = moe_experts(flat, index, weights / weights.sum(-1, keepdim=True),
                                  gate_up, down)
             x = x + routed.reshape(b, s, h)
@@ -102,10 +110,20 @@ def config(plan_ngpus, runtime, profile_dir, **pas):
                            use_zero=False, pas_config={"profile_dir": profile_dir, **pas})
 
 
-def traced(model: nn.Module, batch=None) -> IRGraph:
+def traced(model: nn.Module, batch=None, strategy: str = "real") -> IRGraph:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return IRGraph.from_graph(trace(model, {"batch": batch or lm_batch()}))
+        return IRGraph.from_graph(trace(model, {"batch": batch or lm_batch()},
+                                        strategy=strategy))
+
+
+#: experts that dominate the weights and enough tokens (32768 of them, traced on the meta
+#: device) that exchanging them beats gathering every token on every device
+EP_MODEL = {"experts": 16, "hidden": 512, "ffn": 512}
+
+
+def ep_graph() -> IRGraph:
+    return traced(MoELM(**EP_MODEL), lm_batch(4096), strategy="meta")
 
 
 def moe_ops(graph: IRGraph) -> list:
@@ -140,8 +158,9 @@ def _options(tmp_path, imbalance=1.0, k=2):
 
 def test_the_expert_split_holds_experts_over_degree_and_pays_its_exchanges(tmp_path):
     op, model, opts = _options(tmp_path)
-    # tokens (named by any of the three token inputs), experts (by either stack), ffn
-    assert set(opts) == {"replicate", (0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 2)}
+    # tokens (named by any of the three token inputs), experts (by either stack), ffn (by
+    # either stack: the tracer holds gate_up_proj as its [E, 2, F, H] view)
+    assert set(opts) == {"replicate", (0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (3, 2), (4, 2)}
     assert expert_split(opts[(4, 0)].transform)
     ep = opts[(3, 0)]
     assert expert_split(ep.transform) and not expert_split(opts[(0, 0)].transform)
@@ -186,7 +205,7 @@ def test_the_expert_degrees_of_a_unit(tmp_path):
     for op in ops:
         assert not any(expert_split(t) for t in none.transforms(op, 2))
         assert [expert_split(t) for t in only.transforms(op, 2)] == [True, True]
-        assert len(model.transforms(op, 2)) == 7  # the model itself is unchanged
+        assert len(model.transforms(op, 2)) == 8  # the model itself is unchanged
     other = next(op for op in graph.nodes() if not is_moe(op) and op.anno is not None)
     def names(ts):
         return [None if t is None else (t.idx, t.dim) for t in ts]
@@ -251,43 +270,57 @@ def tight_limit(model: nn.Module, profile_dir: str) -> float:
     return (free.solutions[0].mem - 0.3 * experts * 4) / 2**30  # 4 bytes of state a byte
 
 
-def test_chooses_expert_parallelism_when_the_experts_dominate_memory(profile_dir):
+def shards_experts(result) -> bool:
+    """Whether every MoE op of the plan holds a part of its experts' weights per device
+    (split by experts, or by their intermediate units)."""
+    picked = [opts[c].transform for problem, sol in zip(result.problems, result.solutions)
+              for op, opts, c in zip(problem.ops, problem.options, sol.choice) if is_moe(op)]
+    return bool(picked) and all(t is not None and (expert_split(t) or t.dim == 2)
+                                for t in picked)
+
+
+def test_a_limit_the_replicated_experts_cannot_meet_shards_them(profile_dir):
     """Tiny Mixtral (8 experts), 2 devices: with a limit below what a device needs to
-    hold every expert, the experts are split by the plan."""
+    hold every expert, the plan shards the experts (at this size by their intermediate
+    units: 64 tokens are cheaper to gather than to exchange), within the limit."""
     model = hf_mixtral()
     limit = tight_limit(model, profile_dir)
     g, chosen = plan_graph(traced(model), config(2, 2, profile_dir, device_type="H100",
                                                  mem_constraint=limit))
-    assert chosen_degree(chosen.problems, chosen.solutions) == 2
-    assert chosen.solutions[0].mem <= limit * 2**30
+    assert shards_experts(chosen) and chosen.solutions[0].mem <= limit * 2**30
     batch = lm_batch()
     torch.testing.assert_close(run_plan(g, model, {"batch": batch}), model(batch))
 
 
-def test_many_experts_split_and_a_dense_ish_model_does_not(profile_dir):
-    """On 8 H100s given only runtime_ngpus and 1 GB per device, a model whose 64 experts
-    hold nearly all of its 2 GB of weights and state takes an expert degree above 1 (the
-    degree-1 points are ruled out by their memory floor); one with 2 small experts keeps
-    them whole."""
-    many = plan_graph(traced(MoELM(experts=64, hidden=256, ffn=1024)),
-                      config("auto", 8, profile_dir, device_type="H100", mem_constraint=1))[1]
-    assert many.meshes[0].experts > 1 and many.meshes[0].memory <= 2**30
-    assert chosen_degree(many.problems, many.solutions) == many.meshes[0].experts
-    few = plan_graph(traced(MoELM(experts=2, hidden=16, ffn=4)),
-                     config("auto", 8, profile_dir, device_type="H100", mem_constraint=1))[1]
+def test_many_tokens_and_experts_choose_expert_parallelism(profile_dir):
+    """8 H100s, 32768 tokens, 16 experts holding nearly all the weights: on a unit of 8
+    the experts are split by experts (exchanging a token's top-2 copies over 8 devices
+    moves a quarter of what gathering every token does); given only runtime_ngpus and
+    0.15 GB per device, the chosen mesh has expert degree 8."""
+    fixed = plan_graph(ep_graph(), config(8, 8, profile_dir, device_type="H100"))[1]
+    assert chosen_degree(fixed.problems, fixed.solutions) == 8
+    auto = plan_graph(ep_graph(), config("auto", 8, profile_dir, device_type="H100",
+                                         mem_constraint=0.15))[1]
+    assert auto.meshes[0].experts == 8 and auto.meshes[0].memory <= 0.15 * 2**30
+    assert chosen_degree(auto.problems, auto.solutions) == 8
+
+
+def test_a_dense_ish_model_keeps_its_experts_whole(profile_dir):
+    """Two small experts among dense weights: no expert split, whatever the mesh."""
+    few = plan_graph(traced(MoELM(experts=2, hidden=16, ffn=4, dense=64)),
+                     config("auto", 8, profile_dir, device_type="H100"))[1]
     assert few.meshes[0].experts == 1 and chosen_degree(few.problems, few.solutions) == 1
 
 
 def test_the_plan_file_records_the_expert_degree_and_replays(profile_dir, tmp_path):
     path = tmp_path / "plan.json"
-    model = MoELM(experts=64, hidden=256, ffn=1024)
-    pas = {"device_type": "H100", "mem_constraint": 1}
-    _, first = plan_graph(traced(model), config("auto", 8, profile_dir, **pas,
-                                                save_plan_path=str(path)))
+    pas = {"device_type": "H100", "mem_constraint": 0.15}
+    _, first = plan_graph(ep_graph(), config("auto", 8, profile_dir, **pas,
+                                             save_plan_path=str(path)))
     saved = json.loads(path.read_text())
-    assert saved["mesh"]["experts"] == first.meshes[0].experts > 1
-    _, again = plan_graph(traced(model), config("auto", 8, profile_dir, **pas,
-                                                load_plan_path=str(path)))
+    assert saved["mesh"]["experts"] == first.meshes[0].experts == 8
+    _, again = plan_graph(ep_graph(), config("auto", 8, profile_dir, **pas,
+                                             load_plan_path=str(path)))
     # the same splits (a replay indexes the op's every option, the search its degree's)
     assert splits(again) == splits(first)
 
@@ -328,18 +361,19 @@ def _train(rank, world, outdir, profile_dir, limit):
         if meta.kind != "parameter":
             continue
         torch.testing.assert_close(getattr(pm, attr).detach(),
-                                   state[meta.orig_name].detach()[meta.slicers],
+                                   meta.take(state[meta.orig_name].detach()),
                                    rtol=1e-5, atol=1e-6)
-        if meta.orig_name.startswith("gate_up"):
-            held += getattr(pm, attr).shape[0]
-    return {"experts_held": held}
+        if meta.orig_name.startswith(("gate_up", "down")):
+            held += getattr(pm, attr).numel()
+    return {"expert_numel": held}
 
 
-def test_the_chosen_expert_parallel_plan_trains_as_one_process(tmp_path):
+def test_the_chosen_plan_trains_as_one_process(tmp_path):
     """The plan autodist chooses under a limit the replicated experts cannot meet, run on
-    2 processes, trains as one process: losses and weights after two steps."""
+    2 processes, trains as one process: losses and weights after two steps; each rank
+    holds half of the experts' weights."""
     profile = str(tmp_path / "profile")
     limit = tight_limit(MoELM(), profile)
     results = run_distributed(_train, 2, str(tmp_path / "gen"), profile, limit)
-    # each rank holds half of each of the 2 layers' 8 experts: the plan split them
-    assert [r["experts_held"] for r in results] == [8, 8]
+    whole = sum(p.numel() for n, p in MoELM().named_parameters() if p.dim() == 3)
+    assert [r["expert_numel"] for r in results] == [whole // 2] * 2
