@@ -20,7 +20,9 @@ in the same processes and timed step by step, interleaved (``bench/_launch.py``)
   default: halfway between what the experts need split over the unit and what they need
   whole, so that the replicated experts cannot meet it), ``expert_imbalance``
   ``--imbalance``; its estimated step (the plan file's) is printed against its measured
-  step, with the expert degree it chose.
+  step, with the expert degree it chose; with ``--autodist-experts`` its MoE ops may
+  only be split by their experts (a constraints file), the rest of the plan its own:
+  autodist's estimate of an expert-parallel plan against its measured step.
 
 Reported: the median step (a step as slow as its slowest rank) and its ratio to
 ``dense``; the bytes of expert weights per rank; the all-to-all's share of the ``ep``
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -130,9 +133,13 @@ def _autodist_config(args: argparse.Namespace, world: int, root: str) -> Any:
     from nnscaler import ComputeConfig
 
     limit = args.autodist_mem or _autodist_limit(args, world)
-    return ComputeConfig(world, world, use_end2end=True, pas_config={
-        "mem_constraint": limit, "expert_imbalance": args.imbalance,
-        "profile_dir": f"{root}/profile", "save_plan_path": f"{root}/autodist-plan.json"})
+    pas = {"mem_constraint": limit, "expert_imbalance": args.imbalance,
+           "profile_dir": f"{root}/profile", "save_plan_path": f"{root}/autodist-plan.json"}
+    if args.autodist_experts:
+        path = Path(root, f"experts-only.{os.getpid()}.yaml")
+        path.write_text("- name: moe_experts\n  splits: ['3,0']\n")
+        pas["partition_constraints_path"] = str(path)
+    return ComputeConfig(world, world, use_end2end=True, pas_config=pas)
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
@@ -205,6 +212,8 @@ def main() -> None:
     p.add_argument("--autodist", action="store_true", help="also autodist's plan")
     p.add_argument("--autodist-mem", type=float, default=None, help="its limit, GB/device")
     p.add_argument("--imbalance", type=float, default=1.0, help="its expert_imbalance")
+    p.add_argument("--autodist-experts", action="store_true",
+                   help="autodist's MoE ops split by their experts only")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="every mode's optimizer (autodist's estimate assumes Adam)")
     args = p.parse_args()
