@@ -119,7 +119,37 @@ def _make(spec: TensorSpec, device: torch.device, grad: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-class ComputeProfiler:
+class JsonCache:
+    """A table of measured figures kept as JSON beside the profile: read when present (an
+    unreadable file is ignored, with a warning) and written atomically by `save` when
+    something new was measured."""
+
+    path: Path
+    _table: dict[str, list[float]]
+    _dirty: bool
+
+    def _read_table(self, path: Path, read: bool, what: str) -> None:
+        self.path = path
+        self._table = {}
+        self._dirty = False
+        if read and path.is_file():
+            try:
+                self._table = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                logger.warning("autodist: ignoring the unreadable %s %s (%s)", what, path, e)
+
+    def save(self) -> None:
+        """Write the cache (atomically) when something new was measured."""
+        if not self._dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._table, sort_keys=True))
+        tmp.replace(self.path)
+        self._dirty = False
+
+
+class ComputeProfiler(JsonCache):
     """Measured (forward, backward) seconds of op parts, cached per device."""
 
     def __init__(self, spec: DeviceSpec, profile_dir: Path, *, measure: bool = True,
@@ -128,16 +158,9 @@ class ComputeProfiler:
         self.measure = measure
         self.max_bytes = max_bytes
         self.key = device_key() if measure else f"analytic-{spec.name}"
-        self.path = Path(profile_dir) / f"compute-{self.key}.json"
-        self._table: dict[str, list[float]] = {}
-        self._dirty = False
+        self._read_table(Path(profile_dir) / f"compute-{self.key}.json", measure,
+                         "profile cache")
         self.profiled = 0  # calls measured by this profiler (not from the cache)
-        if measure and self.path.is_file():
-            try:
-                self._table = json.loads(self.path.read_text())
-            except (OSError, ValueError) as e:
-                logger.warning("autodist: ignoring the unreadable profile cache %s (%s)",
-                               self.path, e)
         self._memo: dict[tuple[int, Any, int], tuple[float, float]] = {}
         #: (ops, optimizer): what a whole step of the model takes over the sum of its
         #: parts measured alone (`calibrate`); every time is scaled by it
@@ -239,16 +262,6 @@ class ComputeProfiler:
             self._dirty = True
         per_param, per_byte = self._table[key]
         return per_param + per_byte * nbytes * passes / (3 + 2 * 2)  # Adam: 2 states
-
-    def save(self) -> None:
-        """Write the cache (atomically) when something new was measured."""
-        if not self._dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._table, sort_keys=True))
-        tmp.replace(self.path)
-        self._dirty = False
 
     def prefetch(self, requests: Sequence[tuple[Op, Transform | None, int]]) -> int:
         """Measure every ``(op, t, num)`` of ``requests`` missing from the cache, spread

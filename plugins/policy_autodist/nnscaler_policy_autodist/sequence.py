@@ -39,10 +39,8 @@ What they cost, per part (`CostModel.option` asks `PartTimes` and `ring_backward
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -59,6 +57,7 @@ from nnscaler.extend import (
 )
 from nnscaler_policy_autodist.profile import (
     ComputeProfiler,
+    JsonCache,
     PartCall,
     ProfileJob,
     RecordingGroup,
@@ -192,21 +191,14 @@ def time_part(job: tuple[ProfileJob, int]) -> tuple[float, float] | str:
                               kwargs={**base.kwargs, "group": group}, grads=base.grads))
 
 
-class PartTimes:
+class PartTimes(JsonCache):
     """Measured (forward, backward) seconds of the sequence parts (see the module docs),
     cached per device beside the profiler's cache."""
 
     def __init__(self, profiler: ComputeProfiler) -> None:
         self.profiler = profiler
-        self.path = profiler.path.with_name(f"parts-{profiler.key}.json")
-        self._table: dict[str, list[float]] = {}
-        self._dirty = False
-        if profiler.measure and self.path.is_file():
-            try:
-                self._table = json.loads(self.path.read_text())
-            except (OSError, ValueError) as e:
-                logger.warning("autodist: ignoring the unreadable part cache %s (%s)",
-                               self.path, e)
+        self._read_table(profiler.path.with_name(f"parts-{profiler.key}.json"),
+                         profiler.measure, "part cache")
 
     def _job(self, op: Op, t: Transform, k: int) -> tuple[str, tuple[ProfileJob, int]]:
         args = [_spec(part_piece(x, t.inputs[n], k, 0)) if isinstance(x, SubTensor) else x
@@ -260,13 +252,3 @@ class PartTimes:
         if strategy == "ring" and op.kwargs.get("is_causal"):
             share *= (2 * k - 1) / k  # the last part computes every block it sees
         return fw * share, bw * share
-
-    def save(self) -> None:
-        """Write the cache (atomically) when something new was measured."""
-        if not self._dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._table, sort_keys=True))
-        tmp.replace(self.path)
-        self._dirty = False
