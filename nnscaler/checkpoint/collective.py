@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from nnscaler.errors import CheckpointError
@@ -45,3 +46,11 @@ def agree(error: BaseException | None, what: str) -> None:
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+
+
+def comm_device() -> torch.device:
+    """Where tensors sent between ranks live: the current CUDA device under NCCL, else
+    the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

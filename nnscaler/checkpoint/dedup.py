@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnscaler.checkpoint.collective import agree, gather, world
+from nnscaler.checkpoint.collective import agree, comm_device, gather, world
 from nnscaler.checkpoint.errors import CheckpointError
 from nnscaler.checkpoint.merge import owned_by
 from nnscaler.checkpoint.optimizer import (
@@ -160,11 +160,6 @@ def _spec(t: torch.Tensor) -> tuple[list[int], str]:
     return [int(s) for s in t.shape], dtype_name(t.dtype)
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
 
 def _exchange(plan: list[tuple[int, int, str]], have: Mapping[str, torch.Tensor],
               specs: Mapping[str, tuple[list[int], str]]) -> dict[str, torch.Tensor]:
@@ -173,7 +168,7 @@ def _exchange(plan: list[tuple[int, int, str]], have: Mapping[str, torch.Tensor]
     distributed, rank, _ = world()
     if not distributed or not plan:
         return {}
-    device = _comm_device()
+    device = comm_device()
     nccl = device.type == "cuda"
     ops: list[Any] = []
     sent: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnscaler.checkpoint.collective import gather, world
+from nnscaler.checkpoint.collective import comm_device, gather, world
 from nnscaler.checkpoint.pieces import (
     _VIEW,
     _as_box,
@@ -100,21 +100,16 @@ def _shapes_only(value: Any) -> Any:
     return value
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
 
 def _send(t: torch.Tensor, dst: int) -> None:
-    buf = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_comm_device())
+    buf = t.detach().contiguous().reshape(-1).view(torch.uint8).to(comm_device())
     if buf.numel():
         dist.send(buf, dst)
 
 
 def _recv(shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
     nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=_comm_device())
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=comm_device())
     if nbytes:
         dist.recv(buf, src)
     return buf.cpu().view(dtype).reshape(shape)

@@ -326,7 +326,7 @@ class ComputeProfiler(JsonCache):
             if not isinstance(x, SubTensor):
                 return x
             piece = part_piece(x, t.inputs[k], num, 0)
-            spec = _spec(piece)
+            spec = tensor_spec(piece)
             made = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
             return made.requires_grad_(grads and spec.dtype.is_floating_point)
 
@@ -370,8 +370,8 @@ class ComputeProfiler(JsonCache):
             if shrunk is None:
                 return None
             inputs, kwargs, scale = shrunk
-        job = ProfileJob(op=opdef.name, args=pytree.tree_map(_spec, list(inputs)),
-                         kwargs=pytree.tree_map(_spec, kwargs), grads=_grads(op))
+        job = ProfileJob(op=opdef.name, args=pytree.tree_map(tensor_spec, list(inputs)),
+                         kwargs=pytree.tree_map(tensor_spec, kwargs), grads=_grads(op))
         return self._key(opdef.name, inputs, kwargs, op), job, scale
 
     def _store(self, key: str, job: ProfileJob, op: Op, parts: int,
@@ -486,7 +486,8 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-def _spec(x: Any) -> Any:
+def tensor_spec(x: Any) -> Any:
+    """A sub-tensor as the shape and dtype a profiling job builds it from; anything else as is."""
     if isinstance(x, SubTensor):
         return TensorSpec(tuple(b - a for a, b in x.indmap), x.full.dtype)
     return x

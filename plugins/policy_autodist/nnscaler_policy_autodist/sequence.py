@@ -43,7 +43,6 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 from nnscaler.extend import (
     CONTEXT_PARALLEL_ATTENTION,
@@ -61,8 +60,8 @@ from nnscaler_policy_autodist.profile import (
     PartCall,
     ProfileJob,
     RecordingGroup,
-    TensorSpec,
     run_job,
+    tensor_spec,
 )
 
 __all__ = ["PartTimes", "attention_calls", "part_strategy", "planning", "sequence_transient",
@@ -175,12 +174,6 @@ def sequence_transient(op: Op, t: Transform | None, k: int) -> float:
     return 2.0 * (_chunk_bytes(op, t, k, 1) + _chunk_bytes(op, t, k, 2))
 
 
-def _spec(x: Any) -> Any:
-    if isinstance(x, SubTensor):
-        return TensorSpec(tuple(b - a for a, b in x.indmap), x.full.dtype)
-    return x
-
-
 def time_part(job: tuple[ProfileJob, int]) -> tuple[float, float] | str:
     """Run one part job on this rank: the part op with a group of ``n`` parts that
     does not communicate, as its last part (picklable: `map_over_ranks` sends it)."""
@@ -201,7 +194,7 @@ class PartTimes(JsonCache):
                          profiler.measure, "part cache")
 
     def _job(self, op: Op, t: Transform, k: int) -> tuple[str, tuple[ProfileJob, int]]:
-        args = [_spec(part_piece(x, t.inputs[n], k, 0)) if isinstance(x, SubTensor) else x
+        args = [tensor_spec(part_piece(x, t.inputs[n], k, 0)) if isinstance(x, SubTensor) else x
                 for n, x in enumerate(op.inputs)]
         kwargs = dict(op.opdef.part_kwargs(t, op.kwargs, 0))
         grads = not op.no_grad and any(x.full.requires_grad for x in op.input_tensors())
