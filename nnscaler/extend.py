@@ -22,7 +22,9 @@ under ``plugins/``. The names, by what a plugin does with them:
   `TOKEN_PARALLEL_CE` name the splits whose parts talk) and running ops for profiling
   (`run_ops`, `release_schedule`);
 - adapters and devices: `Layout`, `Plan`, `plan`, `Primitive`, `execute_plan`,
-  `plan_groups`, `ensure_groups`, `device_type`, `current_device`;
+  `plan_groups`, `ensure_groups`, `device_type`, `current_device`, and
+  `ProcessPartGroup` (the parts of a split across processes, as generated code passes
+  them to a part op: a cost model times a part op's collectives through it);
 - errors a plugin raises or refines: `NNScalerError`, `PolicyError`, `PartitionError`,
   `ComputeConfigError`, `RegistrationError`.
 """
@@ -76,7 +78,7 @@ from nnscaler.policies.experts import (
 )
 from nnscaler.policies.sequence import split_sequence, split_sequence_within
 from nnscaler.registry import Registry
-from nnscaler.runtime import ensure_groups, execute_plan, plan_groups
+from nnscaler.runtime import ProcessPartGroup, ensure_groups, execute_plan, plan_groups
 from nnscaler.runtime.device import current_device, device_type
 from nnscaler.schedule import get_schedule
 
@@ -100,6 +102,7 @@ __all__ = [
     "Plan",
     "PolicyError",
     "Primitive",
+    "ProcessPartGroup",
     "Registry",
     "RegistrationError",
     "Replicate",

@@ -3,9 +3,11 @@
 A step of a `nnscaler.layout.Plan` moves ``step.cost`` elements through its
 busiest device, over groups of ``g`` devices. Its time is ``latency * (g - 1) + bytes /
 bandwidth``, with the bandwidth of NVLink (or the local fabric) when the group stays in
-one node and of the network otherwise. The figures come from a measurement on the present
-process group (`measure_comm`, cached in the profile directory) or, for a named
-device type, from `DEVICE_SPECS` (public figures; a plan for a cluster that is not
+one node and of the network otherwise. The token exchange of expert parallelism, an
+all-to-all of uneven sizes, has figures of its own (`DeviceSpec.alltoall_time`): it is
+measured as the runtime runs it, per group size. The figures come from a measurement on
+the present process group (`measure_comm`, cached in the profile directory) or, for a
+named device type, from `DEVICE_SPECS` (public figures; a plan for a cluster that is not
 here).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,28 @@ import attrs
 
 from nnscaler.extend import DEFAULT_BUCKET_CAP_MB, Plan
 
-__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "measure_comm"]
+__all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "interpolate",
+           "measure_comm"]
 
 logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
 GB = 1024**3
+
+Curve = tuple[tuple[float, float], ...]  # (bytes, seconds) by size
+
+
+def interpolate(curve: Curve, nbytes: float) -> float:
+    """Seconds at ``nbytes`` on a measured ``curve``: linear between its points, the
+    first point's time below them, the last segment's slope beyond them."""
+    sizes = [b for b, _ in curve]
+    times = [t for _, t in curve]
+    if nbytes <= sizes[0] or len(curve) == 1:
+        return times[0]
+    k = next((i for i in range(1, len(sizes)) if nbytes <= sizes[i]), len(sizes) - 1)
+    slope = (times[k] - times[k - 1]) / max(sizes[k] - sizes[k - 1], 1.0)
+    return times[k - 1] + slope * (nbytes - sizes[k - 1])
+
+
 #: The reducer's default bucket size: gradients share one collective's latency per bucket.
 BUCKET_BYTES = int(DEFAULT_BUCKET_CAP_MB * 1024 * 1024)
 
@@ -58,10 +77,40 @@ class DeviceSpec:
     launch: float
     #: measured all-reduce times inside a node, ``((bytes, seconds), ...)`` by size, on a
     #: group of ``curve_group`` processes (`measure_comm`); empty: the formula
-    allreduce_curve: tuple[tuple[float, float], ...] = ()
+    allreduce_curve: Curve = ()
     curve_group: int = 0
     attn_fw_flops: float = 0.0
     attn_bw_flops: float = 0.0
+    #: measured all-to-all times inside a node by group size, ``((g, curve), ...)``,
+    #: ``curve`` the seconds by the bytes each rank sends (`measure_comm`); empty: the
+    #: formula
+    alltoall_curves: tuple[tuple[int, Curve], ...] = ()
+
+    def alltoall_time(self, nbytes: float, g: int, *, cross: bool = False,
+                      local: int = 1) -> float:
+        """Seconds of an all-to-all over ``g`` devices in which each sends ``nbytes`` in
+        all (its own share, ``1/g`` of it, stays on the device), ``cross``: the group spans
+        nodes with ``local`` of its devices in each.
+
+        Measured (`alltoall_curves`, inside a node): the curve of group size ``g``, else
+        of the nearest measured size with its time scaled by the hops, ``(g - 1) / (m -
+        1)``. From the figures: each device sends ``(g - 1) / g`` of its bytes, through
+        the bus bandwidth (nccl-tests, ``src/alltoall.cu``: an all-to-all's bus bandwidth
+        is its algorithm bandwidth times ``(n - 1) / n``, the bytes that leave each rank),
+        ``g - 1`` messages of latency; across nodes the ``(g - local) / g`` bound for other
+        nodes go through the device's network card while the rest cross the node's
+        fabric at the same time."""
+        if g <= 1 or nbytes <= 0:
+            return 0.0
+        if not cross and self.alltoall_curves:
+            m, curve = min(self.alltoall_curves, key=lambda c: (abs(c[0] - g), -c[0]))
+            return interpolate(curve, nbytes) * (g - 1) / max(m - 1, 1)
+        if not cross:
+            return self.intra_lat * (g - 1) + nbytes * (g - 1) / g / self.intra_bw
+        local = min(max(local, 1), g)
+        inside = nbytes * (local - 1) / g / self.intra_bw
+        across = nbytes * (g - local) / g / self.inter_bw
+        return self.inter_lat * (g - 1) + max(inside, across)
 
 
 # Figures of named devices, each from a public source:
@@ -121,15 +170,7 @@ class CommModel:
         curve = self.spec.allreduce_curve
         if not curve or g <= 1:
             return None
-        sizes = [b for b, _ in curve]
-        times = [t for _, t in curve]
-        if nbytes <= sizes[0]:
-            t = times[0]
-        else:
-            k = next((i for i in range(1, len(sizes)) if nbytes <= sizes[i]), len(sizes) - 1)
-            slope = (times[k] - times[k - 1]) / max(sizes[k] - sizes[k - 1], 1.0)
-            t = times[k - 1] + slope * (nbytes - sizes[k - 1])
-        return t * (g - 1) / max(self.spec.curve_group - 1, 1)
+        return interpolate(curve, nbytes) * (g - 1) / max(self.spec.curve_group - 1, 1)
 
     def step_time(self, groups: Iterable[tuple[int, ...]], elements: float,
                   itemsize: int) -> float:
@@ -192,8 +233,15 @@ class CommModel:
         return lat + 2 * (g - 1) / g * nbytes / bw
 
 
-#: How `measure_comm` measures; figures cached another way are measured again.
-METHOD = 3
+#: How `measure_comm` measures; figures cached another way are measured again (4: with
+#: the all-to-all's curves).
+METHOD = 4
+
+#: Bytes each rank sends in the measured all-to-alls (the token exchanges of a step are
+#: mostly tens of KiB to a few MiB on CPU; larger ones follow the last slope).
+A2A_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+#: Floats in a row of the measured all-to-alls (a token's hidden state).
+A2A_ROW = 256
 
 
 def _cache_file(profile_dir: Path, device: str, group: int) -> Path:
@@ -228,28 +276,49 @@ def monotone(values: list[float]) -> list[float]:
     return out
 
 
+def alltoall_groups(world: int) -> list[int]:
+    """The group sizes whose all-to-all `measure_comm` measures on ``world`` ranks: the
+    powers of two from 2 that divide it, and ``world`` itself (an expert degree is a
+    stage's degree, which divides the unit)."""
+    out = [g for g in (2 ** i for i in range(1, world.bit_length())) if world % g == 0]
+    return sorted(set(out) | {world}) if world >= 2 else []
+
+
+def even_splits(rows: int, g: int) -> list[int]:
+    """``rows`` dealt to ``g`` members, the first ``rows % g`` one more (as an even routing
+    of a part's token-expert pairs sends them)."""
+    return [rows // g + (1 if m < rows % g else 0) for m in range(g)]
+
+
 # long: a 20-line docstring on the method; the code is one measurement around two closures
 def measure_comm(profile_dir: Path | str, *,
                  sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 21,
                                            1 << 23, BUCKET_BYTES),
+                 a2a_sizes: tuple[int, ...] = A2A_SIZES,
                  repeat: int = 9, segment: int = 16, syncs: int = 6) -> dict[str, Any] | None:
-    """Measure all-reduce on the present ``torch.distributed`` group and cache the times
-    per size (``points``, which the model interpolates) with a fitted latency and
-    bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures
-    of this machine. Every rank must call it (it runs collectives); rank 0 writes the file.
-    Returns the figures, or ``None`` without a process group of two or more ranks.
+    """Measure all-reduce and all-to-all on the present ``torch.distributed`` group and
+    cache the times per size (``points``, which the model interpolates) with a fitted
+    latency and bandwidth (``{'lat': s, 'bw': B/s}``) as the ``cpu`` or ``cuda`` figures of
+    this machine, and the all-to-all's times per group size (``alltoall``: ``{g: points}``,
+    by the bytes each rank sends). Every rank must call it (it runs collectives); rank 0
+    writes the file. Returns the figures, or ``None`` without a process group of two or
+    more ranks.
 
     A collective is measured by what it adds to a computation, as training meets it:
     ``syncs`` rounds of ``segment`` 192x192 matmuls (about 2 ms on one CPU thread, an op
-    or two of a layer) each followed by an all-reduce through the runtime's adapter,
-    against the same rounds without the all-reduce, both timed on the slowest rank
-    (mean of ``repeat``: the waits of a step's collectives add up, so their mean is what
-    a step pays, and it is larger than their median, for a few waits are long). The difference counts what timing the call alone misses: the
-    wait for the slower rank, a sleeping process's wake-up, and the computation after it
-    running slower. On this project's 2-core machine a 4 KiB all-reduce costs 0.3-2 ms
-    back to back but adds 1.3-3 ms to a computation; 16 rounds of 2.3 ms of matmuls took
-    79 ms with one all-reduce and 112 ms with one after each round. The times are made
-    non-decreasing in the size (`monotone`).
+    or two of a layer) each followed by the collective through the runtime (an
+    all-reduce through its adapter; the all-to-all through the `ProcessPartGroup` that
+    expert parallelism's dispatch calls, of rows dealt evenly, every group of ``g``
+    consecutive ranks exchanging at once as the groups of an expert-parallel plan do),
+    against the same rounds without it, both timed on the slowest rank (mean of
+    ``repeat``: the waits of a step's collectives add up, so their mean is what a step
+    pays, and it is larger than their median, for a few waits are long). The difference
+    counts what timing the call alone misses: the wait for the slower rank, a sleeping
+    process's wake-up, and the computation after it running slower. On this project's
+    2-core machine a 4 KiB all-reduce costs 0.3-2 ms back to back but adds 1.3-3 ms to a
+    computation; 16 rounds of 2.3 ms of matmuls took 79 ms with one all-reduce and 112 ms
+    with one after each round. The times are made non-decreasing in the size
+    (`monotone`).
 
     ``autodist`` calls it itself, through `nnscaler.parallel.call_on_every_rank`,
     the first time it plans inside a distributed ``parallelize`` with no figures cached.
@@ -261,15 +330,7 @@ def measure_comm(profile_dir: Path | str, *,
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    from nnscaler.extend import (
-        Layout,
-        current_device,
-        device_type,
-        ensure_groups,
-        execute_plan,
-        plan,
-        plan_groups,
-    )
+    from nnscaler.extend import Layout, current_device, device_type, execute_plan, plan
 
     dev = current_device() if device_type() == "cuda" else torch.device("cpu")
     g = dist.get_world_size()
@@ -279,46 +340,50 @@ def measure_comm(profile_dir: Path | str, *,
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def rounds(reduce: Plan | None, x: torch.Tensor | None) -> float:
+    def rounds(comm: Callable[[], Any] | None) -> float:
         """Seconds of ``syncs`` rounds on the slowest rank."""
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(syncs):
             for _ in range(segment):
                 work @ work  # the computation a collective follows in training
-            if reduce is not None:
-                execute_plan(reduce, x)
+            if comm is not None:
+                comm()
         sync()
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took.item())
 
+    def added(comm: Callable[[], Any], size: int, paired: bool = False) -> float:
+        """Seconds ``comm`` adds to a round (a large message's time is mostly its
+        transfer, steadier than a wait: fewer samples). ``paired``: rounds with it and
+        without it alternate, so that a change of the machine's load meanwhile shifts
+        both (the all-to-all's rounds, short, afford it)."""
+        comm()
+        n = repeat if size <= 1 << 20 else max(3, repeat // 3)
+        if paired:
+            pairs = [(rounds(comm), rounds(None)) for _ in range(n)]
+            return max(statistics.fmean(a - b for a, b in pairs), 0.0) / syncs
+        took = statistics.fmean(rounds(comm) for _ in range(n))
+        return max(took - compute, 0.0) / syncs
+
+    def all_reduce(size: int) -> Callable[[], Any]:
+        # through the runtime, as generated code runs it (its bookkeeping included)
+        shape = (size // 4,)
+        reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
+        _ensure(reduce)
+        x = torch.ones(shape, dtype=torch.float32, device=dev)
+        return lambda: execute_plan(reduce, x)
+
     with torch.no_grad():
-        rounds(None, None)
-        compute = statistics.fmean(rounds(None, None) for _ in range(repeat))
-        times = []
-        for size in sizes:
-            # through the runtime, as generated code runs it (its bookkeeping included)
-            shape = (size // 4,)
-            reduce = plan(Layout(shape=shape, v=g), Layout(shape=shape, r=g))
-            ensure_groups(plan_groups(reduce))
-            x = torch.ones(shape, dtype=torch.float32, device=dev)
-            execute_plan(reduce, x)
-            # a large message's time is mostly its transfer, steadier than a wait
-            n = repeat if size <= 1 << 20 else max(3, repeat // 3)
-            took = statistics.fmean(rounds(reduce, x) for _ in range(n))
-            times.append(max(took - compute, 0.0) / syncs)
-    floor = 1e-6  # a collective costs something however lucky the samples
-    points = list(zip(sizes, (max(t, floor) for t in monotone(times))))
-    # ring all-reduce: t = 2(g-1) lat + 2(g-1)/g * bytes / bw; fit on the smallest and largest
-    (s0, t0), (s1, t1) = points[0], points[-1]
-    k = 2 * (g - 1) / g
-    bw = k * (s1 - s0) / max(t1 - t0, 1e-9)
-    lat = max((t0 - k * s0 / bw) / (2 * (g - 1)), 1e-7)
-    # the figures (for a reader) and the measured points, which the model interpolates:
-    # mid-sized messages cost more per byte than a line through the ends says
-    figures = {"lat": lat, "bw": bw, "group": g, "points": [list(x) for x in points],
-               "compute_s": compute / syncs, "method": METHOD}
+        rounds(None)
+        compute = statistics.fmean(rounds(None) for _ in range(repeat))
+        times = [added(all_reduce(size), size) for size in sizes]
+        exchanges = {m: [added(_alltoall(m, size, dev), size, True) for size in a2a_sizes]
+                     for m in alltoall_groups(g)}
+    figures = _figures(g, list(zip(sizes, _floored(times))), compute / syncs)
+    figures["alltoall"] = {str(m): [list(x) for x in zip(a2a_sizes, _floored(t))]
+                           for m, t in exchanges.items()}
     if dist.get_rank() == 0:
         path = _cache_file(Path(profile_dir), device_type(), g)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -326,6 +391,50 @@ def measure_comm(profile_dir: Path | str, *,
         tmp.write_text(json.dumps(figures, indent=1))
         tmp.replace(path)
     return figures
+
+
+def _floored(times: list[float]) -> list[float]:
+    """Non-decreasing in the size (`monotone`), and never free: a collective costs
+    something however lucky the samples."""
+    return [max(t, 1e-6) for t in monotone(times)]
+
+
+def _ensure(p: Plan) -> None:
+    from nnscaler.extend import ensure_groups, plan_groups
+
+    ensure_groups(plan_groups(p))
+
+
+def _alltoall(m: int, size: int, dev: Any) -> Callable[[], Any]:
+    """One token exchange of ``size`` bytes per rank among groups of ``m`` consecutive
+    ranks, as expert parallelism's dispatch runs it (`ProcessPartGroup.all_to_all`, the
+    sizes agreed)."""
+    import torch
+    import torch.distributed as dist
+
+    from nnscaler.extend import ProcessPartGroup, ensure_groups
+
+    world = dist.get_world_size()
+    groups = [tuple(range(i, i + m)) for i in range(0, world, m)]
+    ensure_groups(groups)
+    group = ProcessPartGroup(groups[dist.get_rank() // m])
+    rows = max(size // (4 * A2A_ROW), 1)
+    splits = even_splits(rows, m)
+    x = torch.ones(rows, A2A_ROW, dtype=torch.float32, device=dev)
+    return lambda: group.all_to_all(x, splits, splits)
+
+
+def _figures(g: int, points: list[tuple[int, float]], compute: float) -> dict[str, Any]:
+    """The all-reduce's figures: its points and the ring's latency and bandwidth fitted
+    on the smallest and largest (``t = 2(g-1) lat + 2(g-1)/g * bytes / bw``), for a
+    reader; the model interpolates the points (mid-sized messages cost more per byte
+    than a line through the ends says)."""
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    k = 2 * (g - 1) / g
+    bw = k * (s1 - s0) / max(t1 - t0, 1e-9)
+    lat = max((t0 - k * s0 / bw) / (2 * (g - 1)), 1e-7)
+    return {"lat": lat, "bw": bw, "group": g, "points": [list(x) for x in points],
+            "compute_s": compute, "method": METHOD}
 
 
 def comm_measured(profile_dir: Path | str, group: int) -> bool:
@@ -357,10 +466,14 @@ def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> Device
         try:
             fig = json.loads(path.read_text())
             curve = tuple(sorted((float(b), float(t)) for b, t in fig.get("points", ())))
+            exchanges = tuple(sorted(
+                (int(m), tuple(sorted((float(b), float(t)) for b, t in pts)))
+                for m, pts in fig.get("alltoall", {}).items() if pts))
             return attrs.evolve(base, name=kind, intra_bw=float(fig["bw"]),
                                 inter_bw=float(fig["bw"]), intra_lat=float(fig["lat"]),
                                 inter_lat=float(fig["lat"]), allreduce_curve=curve,
-                                curve_group=int(fig.get("group", nearest)))
+                                curve_group=int(fig.get("group", nearest)),
+                                alltoall_curves=exchanges)
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("autodist: ignoring the unreadable communication profile %s (%s)",
                            path, e)

@@ -36,9 +36,14 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from nnscaler.extend import Op, Transform, is_moe
+from nnscaler_policy_autodist.twoaxis import part_call
 
 __all__ = ["ExpertAxis", "Point", "best_point", "chosen_degree", "expert_degrees",
-           "expert_split", "held_to_degree", "imbalanced", "search_axis"]
+           "expert_part", "expert_split", "held_to_degree", "imbalanced", "search_axis"]
+
+#: the registered names of the MoE op and of its ffn split's part op
+MOE_EXPERTS = "nnscaler.ops.builtin.moe.moe_experts"
+FFN_PARALLEL = "nnscaler.ops.builtin.moe.ffn_parallel_moe"
 
 #: the expert dim of ``gate_up_proj`` and of ``down_proj`` as ``(input index, dim)`` (the
 #: names ``allowed`` constraints use): either names the expert-parallel split
@@ -49,6 +54,19 @@ def expert_split(t: Transform | None) -> bool:
     """Whether ``t`` splits an MoE op by its experts (its part op exchanges tokens)."""
     return (t is not None and t.part_op is not None
             and (getattr(t, "idx", None), getattr(t, "dim", None)) in EXPERT_DIMS)
+
+
+def expert_part(op: Op, t: Transform | None, num: int) -> tuple[list, dict] | None:
+    """The work of one device of an expert split of ``op`` in ``num`` as a call of the
+    op itself, which runs alone: its ``E / num`` experts and its ``T / num`` tokens, whose
+    ``k`` pairs each, routed evenly (the profiler's made-up routing), are as many rows per
+    expert as the device receives from every part under even routing; the routing's
+    bookkeeping is its own tokens' too. ``(inputs, kwargs)``, or ``None`` for any other
+    split. (The whole op's time over ``num`` would divide the call's fixed costs too.)"""
+    if not is_moe(op) or not expert_split(t):
+        return None
+    inputs, kwargs = part_call(op, t, num, 0)
+    return inputs, {k: v for k, v in kwargs.items() if k != "expert_counts"}
 
 
 def imbalanced(op: Op, t: Transform | None, fw: float, bw: float,

@@ -304,9 +304,8 @@ class CostModel:
         many bytes (and its backward, a reduce-scatter, the same), each ``send_recv`` (a
         ring step) as the all-reduce that moves its bytes once over a link, each
         ``all_to_all`` (the token exchange of expert parallelism, its backward the same)
-        as the all-reduce of half its bytes (each moves ``(k-1)/k`` of them per rank, an
-        all-reduce twice that), times ``expert_imbalance`` (the busiest device's tokens
-        over the mean: its exchange is the slowest)."""
+        as measured (`DeviceSpec.alltoall_time`) for ``expert_imbalance`` times its
+        bytes (the busiest device's tokens over the mean: its exchange is the slowest)."""
         if t is None or t.part_op is None or k <= 1:
             return 0.0
         total = 0.0
@@ -315,7 +314,12 @@ class CostModel:
             if call.kind == "send_recv":  # an all-reduce moves 2(k-1)/k of its bytes
                 nbytes = call.nbytes * k / (2 * (k - 1))
             elif call.kind == "all_to_all":
-                nbytes = call.nbytes / 2 * self.expert_imbalance
+                per_node = self.comm.spec.per_node
+                once = self.comm.spec.alltoall_time(
+                    call.nbytes * self.expert_imbalance, k, cross=k > per_node,
+                    local=min(k, per_node))
+                total += once * (2 if grads and call.backward else 1)
+                continue
             else:
                 nbytes = call.nbytes if call.kind == "all_reduce" else call.nbytes * k / 2
             once = self.comm.allreduce_time(nbytes, k, bucketed=False)

@@ -50,6 +50,7 @@ from nnscaler.extend import (
 )
 from nnscaler_policy_autodist.analytic import analytic_time, mark_strided
 from nnscaler_policy_autodist.comm import DeviceSpec
+from nnscaler_policy_autodist.experts import FFN_PARALLEL, MOE_EXPERTS, expert_part
 from nnscaler_policy_autodist.twoaxis import part_call
 
 __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
@@ -358,8 +359,13 @@ class ComputeProfiler(JsonCache):
 
             opdef = get_plugin_manager().ops.get(t.part_op)
         if opdef.collective:
-            return None
-        if t is None:
+            # a part whose parts talk runs alone only where a stand-in does its work
+            # (an expert split's: its local experts on the pairs it receives)
+            local = expert_part(op, t, num)
+            if local is None:
+                return None
+            opdef, (inputs, kwargs) = op.opdef, local
+        elif t is None:
             inputs, kwargs = list(op.inputs), dict(op.kwargs)
         else:  # part 0 (of a two-axis split too: `twoaxis.part_call`)
             inputs, kwargs = part_call(op, t, num, 0)
@@ -372,7 +378,8 @@ class ComputeProfiler(JsonCache):
             inputs, kwargs, scale = shrunk
         job = ProfileJob(op=opdef.name, args=pytree.tree_map(tensor_spec, list(inputs)),
                          kwargs=pytree.tree_map(tensor_spec, kwargs), grads=_grads(op))
-        return self._key(opdef.name, inputs, kwargs, op), job, scale
+        name = opdef.name + ("|routed-evenly" if opdef.name in VALUE_MAKERS else "")
+        return self._key(name, inputs, kwargs, op), job, scale
 
     def _store(self, key: str, job: ProfileJob, op: Op, parts: int,
                got: tuple[float, float] | str) -> None:
@@ -531,9 +538,22 @@ def _balanced_grouped_mm(args: list[Any], kw: dict[str, Any]) -> tuple[list[Any]
     return [*args[:2], balanced, *args[3:]], kw
 
 
+def _even_routing(args: list[Any], kw: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An MoE op's ``top_k_index`` of zeros sends every token to expert 0: one matmul, and
+    nothing for the rest. Pair ``i`` to expert ``i mod E`` instead, the even routing the
+    cost model assumes (`nnscaler_policy_autodist.experts`)."""
+    if len(args) < 4 or not all(isinstance(a, torch.Tensor) for a in args[:4]):
+        return args, kw
+    index, experts = args[1], args[3].shape[0]
+    even = torch.arange(index.numel(), device=index.device) % max(experts, 1)
+    return [args[0], even.view(index.shape).to(index.dtype), *args[2:]], kw
+
+
 #: Ops whose cost depends on the values of integer arguments (made up as zeros): how to
-#: make values of the usual cost from the made-up arguments, by registered op name.
-VALUE_MAKERS: dict[str, Any] = {"torch._grouped_mm": _balanced_grouped_mm}
+#: make values of the usual cost from the made-up arguments, by registered op name
+#: (their cache keys are marked, so times measured with zeros are not read back).
+VALUE_MAKERS: dict[str, Any] = {"torch._grouped_mm": _balanced_grouped_mm,
+                                MOE_EXPERTS: _even_routing, FFN_PARALLEL: _even_routing}
 
 
 def run_job(job: ProfileJob) -> tuple[float, float] | str:

@@ -29,8 +29,10 @@ def test_measured_comm_is_cached_and_used(tmp_path):
     assert figures[0]["method"] == METHOD
     times = [t for _, t in figures[0]["points"]]
     assert all(t > 0 for t in times) and times == sorted(times)  # larger never cheaper
+    assert list(figures[0]["alltoall"]) == ["2"]  # and the token exchange's, per group
     spec = device_spec("cpu", tmp_path)
     assert spec.intra_bw == pytest.approx(figures[0]["bw"])
+    assert [g for g, _ in spec.alltoall_curves] == [2]
     assert measure_comm(tmp_path) is None  # no process group here
 
 
@@ -356,7 +358,8 @@ def test_a_split_whose_parts_talk_pays_their_collectives(tmp_path):
 def test_the_expert_parallel_split_pays_its_token_exchanges(tmp_path):
     """An MoE layer split by its experts all-gathers its counts and exchanges its tokens
     both ways (all_to_all, forward and backward); autodist records them on meta tensors
-    with an even routing and charges each exchange as the all-reduce of half its bytes."""
+    with an even routing and charges each exchange as an all-to-all of its bytes
+    (`DeviceSpec.alltoall_time`), times ``expert_imbalance``."""
     from nnscaler_policy_autodist.model import CostModel
 
     from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, moe_experts
@@ -383,9 +386,14 @@ def test_the_expert_parallel_split_pays_its_token_exchanges(tmp_path):
     assert [c.kind for c in calls] == ["all_gather", "all_to_all", "all_to_all"]
     tokens = 4 * 2 * 16 * 4  # 4 tokens of the part x top-2, 16 floats of 4 bytes
     assert [c.nbytes for c in calls[1:]] == [tokens, tokens] and calls[1].backward
-    exchange = comm.allreduce_time(tokens / 2, 2, bucketed=False)
-    assert costs.part_comm(op, ep, 2, True) == pytest.approx(
-        comm.allreduce_time(calls[0].nbytes, 2, bucketed=False) + 4 * exchange)
+    exchange = comm.spec.alltoall_time(tokens, 2)
+    counts = comm.allreduce_time(calls[0].nbytes, 2, bucketed=False)
+    assert costs.part_comm(op, ep, 2, True) == pytest.approx(counts + 4 * exchange)
+    assert costs.part_comm(op, ep, 2, False) == pytest.approx(counts + 2 * exchange)
+    skewed = CostModel(profiler=profiler, comm=comm, units=1, zero=False,
+                       expert_imbalance=2.0)
+    assert skewed.part_comm(op, ep, 2, True) == pytest.approx(
+        counts + 4 * comm.spec.alltoall_time(2 * tokens, 2))
 
 
 def test_the_optimizer_and_gradient_sum_run_once_a_step(tmp_path):
