@@ -7,8 +7,10 @@ every expert's intermediate units (the ffn split: ``down_proj`` sharded, and
 ``gate_up_proj`` when the tracer holds it as its ``[E, 2, F, H]`` view, else replicated
 and sliced), or by experts (expert parallelism: device ``p`` holds ``E / k`` of
 them and exchanges tokens with an all-to-all). The model costs each from its profile and
-the collectives its part op records (`CostModel.part_comm`). Routing is not known when
-planning, so the profile routes evenly; ``pas_config['expert_imbalance']`` (``f >= 1``,
+the collectives its part op records (`CostModel.part_comm`; the all-to-alls by
+`DeviceSpec.alltoall_time`, measured per group size on this machine). The expert split's
+part is profiled as the op itself on one device's tokens and experts (`expert_part`).
+Routing is not known when planning, so the profile routes evenly; ``pas_config['expert_imbalance']`` (``f >= 1``,
 default 1.0) is the busiest device's token-expert pairs over the mean that the plan assumes:
 under expert parallelism the busiest device receives and returns ``f`` times the mean
 tokens (the all-to-alls move ``f`` times the even bytes) and runs ``f`` times the even
