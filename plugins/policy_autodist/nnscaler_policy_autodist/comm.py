@@ -25,7 +25,7 @@ import attrs
 from nnscaler.extend import DEFAULT_BUCKET_CAP_MB, Plan
 
 __all__ = ["DEVICE_SPECS", "CommModel", "DeviceSpec", "comm_measured", "interpolate",
-           "measure_comm"]
+           "measure_comm", "measure_for_plan"]
 
 logger = logging.getLogger("nnscaler.autodist.comm")  # under nnscaler's loggers
 
@@ -239,7 +239,7 @@ METHOD = 4
 
 #: Bytes each rank sends in the measured all-to-alls (the token exchanges of a step are
 #: mostly tens of KiB to a few MiB on CPU; larger ones follow the last slope).
-A2A_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+A2A_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 #: Floats in a row of the measured all-to-alls (a token's hidden state).
 A2A_ROW = 256
 
@@ -360,10 +360,11 @@ def measure_comm(profile_dir: Path | str, *,
         without it alternate, so that a change of the machine's load meanwhile shifts
         both (the all-to-all's rounds, short, afford it)."""
         comm()
-        n = repeat if size <= 1 << 20 else max(3, repeat // 3)
-        if paired:
+        if paired:  # each pair two rounds: half as many pairs
+            n = max(3, repeat // 2) if size <= 1 << 20 else max(2, repeat // 4)
             pairs = [(rounds(comm), rounds(None)) for _ in range(n)]
             return max(statistics.fmean(a - b for a, b in pairs), 0.0) / syncs
+        n = repeat if size <= 1 << 20 else max(3, repeat // 3)
         took = statistics.fmean(rounds(comm) for _ in range(n))
         return max(took - compute, 0.0) / syncs
 
@@ -380,10 +381,10 @@ def measure_comm(profile_dir: Path | str, *,
         compute = statistics.fmean(rounds(None) for _ in range(repeat))
         times = [added(all_reduce(size), size) for size in sizes]
         exchanges = {m: [added(_alltoall(m, size, dev), size, True) for size in a2a_sizes]
-                     for m in alltoall_groups(g)}
+                     for m in (alltoall_groups(g) if a2a_sizes else ())}
     figures = _figures(g, list(zip(sizes, _floored(times))), compute / syncs)
     figures["alltoall"] = {str(m): [list(x) for x in zip(a2a_sizes, _floored(t))]
-                           for m, t in exchanges.items()}
+                           for m, t in exchanges.items() if t}
     if dist.get_rank() == 0:
         path = _cache_file(Path(profile_dir), device_type(), g)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -437,16 +438,24 @@ def _figures(g: int, points: list[tuple[int, float]], compute: float) -> dict[st
             "compute_s": compute, "method": METHOD}
 
 
-def comm_measured(profile_dir: Path | str, group: int) -> bool:
+def comm_measured(profile_dir: Path | str, group: int, alltoall: bool = False) -> bool:
     """Whether `measure_comm` cached figures for this device type and a group of
-    ``group`` processes there, measured the present way (`METHOD`)."""
+    ``group`` processes there, measured the present way (`METHOD`), with the
+    all-to-all's curves when ``alltoall``."""
     from nnscaler.extend import device_type
 
     path = _cache_file(Path(profile_dir), device_type(), group)
     try:
-        return json.loads(path.read_text()).get("method") == METHOD
+        fig = json.loads(path.read_text())
+        return fig.get("method") == METHOD and (not alltoall or bool(fig.get("alltoall")))
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def measure_for_plan(profile_dir: Path | str, alltoall: bool) -> dict[str, Any] | None:
+    """`measure_comm` as a plan needs it: the all-to-all too when ``alltoall`` (a model
+    with an MoE op), which spares every other model the seconds it takes."""
+    return measure_comm(profile_dir, a2a_sizes=A2A_SIZES if alltoall else ())
 
 
 def device_spec(device: str | None, profile_dir: Path, group: int = 2) -> DeviceSpec:

@@ -33,6 +33,7 @@ from nnscaler.extend import (
     TensorKind,
     as_policy_graph,
     call_on_every_rank,
+    is_moe,
     policy_config,
     repeated_blocks,
 )
@@ -42,7 +43,7 @@ from nnscaler_policy_autodist.comm import (
     DeviceSpec,
     comm_measured,
     device_spec,
-    measure_comm,
+    measure_for_plan,
 )
 from nnscaler_policy_autodist.config import AutoDistConfig, AutoDistError, parse_config
 from nnscaler_policy_autodist.constraints import load_constraints
@@ -361,9 +362,10 @@ def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, A
     from nnscaler.extend import device_type
 
     here = cfg.device_type in (None, device_type())
-    if here and not comm_measured(cfg.profile_dir, runtime):
+    moe = any(is_moe(op) for op in ops)  # the all-to-all is measured for MoE models
+    if here and not comm_measured(cfg.profile_dir, runtime, alltoall=moe):
         # every rank takes part (while rank 0 plans); alone, there is nothing to measure
-        call_on_every_rank(measure_comm, cfg.profile_dir)
+        call_on_every_rank(measure_for_plan, cfg.profile_dir, moe)
     spec = _with_nodes(device_spec(cfg.device_type, cfg.profile_dir, runtime),
                        cfg.devices_per_node, runtime)
     profiler = ComputeProfiler(spec, cfg.profile_dir, measure=here)

@@ -90,9 +90,12 @@ def test_a_cache_measured_before_the_alltoall_is_measured_again_and_read_meanwhi
     assert not comm_measured(tmp_path, 2)  # autodist measures it again
     spec = device_spec("cpu", tmp_path, 2)
     assert spec.alltoall_curves == () and spec.allreduce_curve  # the formula meanwhile
+    plain = {**old, "method": METHOD, "alltoall": {}}  # measured for a model without MoE
+    (tmp_path / "comm-cpu-g2.json").write_text(json.dumps(plain))
+    assert comm_measured(tmp_path, 2) and not comm_measured(tmp_path, 2, alltoall=True)
     new = {**old, "method": METHOD, "alltoall": {"2": [[4096, 2e-4], [2**20, 3e-3]]}}
     (tmp_path / "comm-cpu-g2.json").write_text(json.dumps(new))
-    assert comm_measured(tmp_path, 2)
+    assert comm_measured(tmp_path, 2, alltoall=True)
     spec = device_spec("cpu", tmp_path, 2)
     assert spec.alltoall_curves == ((2, ((4096.0, 2e-4), (2.0**20, 3e-3))),)
     assert spec.alltoall_time(2.0**20, 2) == pytest.approx(3e-3)

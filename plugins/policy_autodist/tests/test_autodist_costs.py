@@ -3,6 +3,7 @@ profile of an op too large to run, plans for a named device, plots."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -76,6 +77,7 @@ def test_profiling_and_comm_are_measured_on_every_rank(tmp_path, monkeypatch):
     assert ranks.count("0") > 0 and ranks.count("1") > 0, ranks  # both ranks measured
     assert abs(ranks.count("0") - ranks.count("1")) <= 1  # in equal shares
     assert (prof / "comm-cpu-g2.json").is_file()  # measured without being asked
+    assert json.loads((prof / "comm-cpu-g2.json").read_text())["alltoall"] == {}  # no MoE op
     table = next(prof.glob("compute-*.json")).read_text()
     assert table.count("|") >= 2 * len(ranks)  # every measurement reached rank 0's cache
 
@@ -96,7 +98,6 @@ def test_monotone_pools_a_noisy_point_with_its_neighbours():
 
 
 def test_comm_figures_are_kept_per_group_size(tmp_path):
-    import json
 
     for g, lat in ((2, 1e-4), (8, 9e-4)):
         (tmp_path / f"comm-cpu-g{g}.json").write_text(json.dumps({"lat": lat, "bw": 1e9,
