@@ -98,7 +98,6 @@ def test_monotone_pools_a_noisy_point_with_its_neighbours():
 
 
 def test_comm_figures_are_kept_per_group_size(tmp_path):
-
     for g, lat in ((2, 1e-4), (8, 9e-4)):
         (tmp_path / f"comm-cpu-g{g}.json").write_text(json.dumps({"lat": lat, "bw": 1e9,
                                                                    "group": g}))
