@@ -22,7 +22,8 @@ in the same processes and timed step by step, interleaved (``bench/_launch.py``)
   ``--imbalance``; its estimated step (the plan file's) is printed against its measured
   step, with the expert degree it chose; with ``--autodist-experts`` its MoE ops may
   only be split by their experts (a constraints file), the rest of the plan its own:
-  autodist's estimate of an expert-parallel plan against its measured step.
+  autodist's estimate of an expert-parallel plan against its measured step;
+  ``--autodist-ffn`` the same with the ffn split (every expert's intermediate units).
 
 Reported: the median step (a step as slow as its slowest rank) and its ratio to
 ``dense``; the bytes of expert weights per rank; the all-to-all's share of the ``ep``
@@ -135,9 +136,10 @@ def _autodist_config(args: argparse.Namespace, world: int, root: str) -> Any:
     limit = args.autodist_mem or _autodist_limit(args, world)
     pas = {"mem_constraint": limit, "expert_imbalance": args.imbalance,
            "profile_dir": f"{root}/profile", "save_plan_path": f"{root}/autodist-plan.json"}
-    if args.autodist_experts:
+    if args.autodist_experts or args.autodist_ffn:
         path = Path(root, f"experts-only.{os.getpid()}.yaml")
-        path.write_text("- name: moe_experts\n  splits: ['3,0']\n")
+        split = "3,0" if args.autodist_experts else "3,2"
+        path.write_text(f"- name: moe_experts\n  splits: ['{split}']\n")
         pas["partition_constraints_path"] = str(path)
     return ComputeConfig(world, world, use_end2end=True, pas_config=pas)
 
@@ -214,6 +216,8 @@ def main() -> None:
     p.add_argument("--imbalance", type=float, default=1.0, help="its expert_imbalance")
     p.add_argument("--autodist-experts", action="store_true",
                    help="autodist's MoE ops split by their experts only")
+    p.add_argument("--autodist-ffn", action="store_true",
+                   help="autodist's MoE ops split by their intermediate units only")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="every mode's optimizer (autodist's estimate assumes Adam)")
     args = p.parse_args()
