@@ -9,7 +9,7 @@ under ``plugins/``. The names, by what a plugin does with them:
 - hooks: `hookimpl`, `get_plugin_manager`, `Registry`, `OpRegistry`;
 - ops: `make_recording_wrapper` (a library's kernel recorded as one op), the partition
   vocabulary (`Transform`, `Split`, `Replicate`, `ValuePartial`, `PartGroup`,
-  `check_reduce_op`);
+  `check_reduce_op`), ring attention's block-kernel interface (`BlockKernel`, `Packed`);
 - policies: the graph (`IRGraph`, `Graph`, `Op`, `SubTensor`, `FullTensor`,
   `TensorKind`, `tensors_in`, `layer_path`, `repeated_blocks`), the configuration
   (`ComputeConfig`, `PipelineConfig`, `as_compute_config`, `policy_config`,
@@ -62,6 +62,7 @@ from nnscaler.ir import (
     tensors_in,
 )
 from nnscaler.layout import Layout, Plan, Primitive, plan
+from nnscaler.ops.builtin.attention_kernels import BlockKernel, Packed
 from nnscaler.ops.builtin.context_parallel import CONTEXT_PARALLEL_ATTENTION
 from nnscaler.ops.builtin.token_loss import TOKEN_PARALLEL_CE, token_split
 from nnscaler.ops.registry import OpRegistry
@@ -84,6 +85,7 @@ from nnscaler.schedule import get_schedule
 
 __all__ = [
     "AUTO",
+    "BlockKernel",
     "CONTEXT_PARALLEL_ATTENTION",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULER",
@@ -96,6 +98,7 @@ __all__ = [
     "NNScalerError",
     "Op",
     "OpRegistry",
+    "Packed",
     "PartGroup",
     "PartitionError",
     "PipelineConfig",

@@ -145,6 +145,28 @@ def nnscaler_register_adapters(registry: Registry) -> None:
     """
 
 
+@hookspec
+def nnscaler_register_attention_kernels(registry: Registry) -> None:
+    """Register block kernels for ring attention (context parallelism).
+
+    :param registry: a `nnscaler.registry.Registry` of kernels. A kernel is a
+        `nnscaler.ops.builtin.attention_kernels.BlockKernel`: ``accepts(q, k, v)``,
+        ``forward(q, k, v, *, causal, scale, packed=None) -> (out, lse)`` and
+        ``backward(dout, q, k, v, out, lse, *, causal, scale, packed=None) -> (dq, dk,
+        dv)``; an object without those methods raises
+        [`nnscaler.RegistrationError`][nnscaler.errors.RegistrationError] naming this plugin.
+
+    The ring runs each key/value block with the last registered kernel whose ``accepts``
+    is true for the tensors (plugins load after the built-in ``math`` kernel, so theirs
+    win where they apply). ``plugins/ops_flash_attn`` registers flash-attention's kernels
+    this way, for CUDA tensors in half precision. Example::
+
+        @nnscaler.hookimpl
+        def nnscaler_register_attention_kernels(registry):
+            registry.register("my_kernel", MyBlockKernel())
+    """
+
+
 # ---------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------

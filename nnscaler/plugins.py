@@ -38,6 +38,7 @@ import pluggy
 from nnscaler import hookspecs
 from nnscaler.errors import PluginError, RegistrationError
 from nnscaler.layout.primitives import check_adjoints, validate_primitive
+from nnscaler.ops.builtin.attention_kernels import validate_kernel
 from nnscaler.ops.registry import OpRegistry
 from nnscaler.ops.user_ops import user_ops
 from nnscaler.registry import USER_REGISTRANT, Registry, callable_taking, set_registry_provider
@@ -62,6 +63,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "nnscaler_register_schedules": "schedules",
     "nnscaler_register_adapters": "adapters",
     "nnscaler_register_loggers": "loggers",
+    "nnscaler_register_attention_kernels": "attention_kernels",
 }
 
 
@@ -124,6 +126,8 @@ class NNScalerPluginManager:
             "path) as LogConfig.type.",
             validate=_logger_class,
         )
+        self.attention_kernels: Registry[Any] = Registry(
+            "attention kernel", validate=validate_kernel)
         self.infos: dict[str, PluginInfo] = {}
         self._order: list[str] = []
         for modname in BUILTIN_PLUGINS:

@@ -195,8 +195,9 @@ def callable_taking(*params: str, what: str) -> Callable[[str, Any], None]:
 # ---------------------------------------------------------------------------------------
 
 #: ``provider(kind, load)`` returns the process-wide registry of ``kind`` (``"ops"``,
-#: ``"policies"``, ``"schedules"``, ``"adapters"``), loading the plugins first when
-#: ``load`` is true, else None when they are not loaded yet.
+#: ``"policies"``, ``"schedules"``, ``"adapters"``, ``"loggers"``,
+#: ``"attention_kernels"``), loading the plugins first when ``load`` is true, else None
+#: when they are not loaded yet.
 RegistryProvider = Callable[[str, bool], Any]
 
 _provider: RegistryProvider | None = None

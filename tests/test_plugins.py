@@ -75,6 +75,7 @@ def test_entry_point_plugin_is_discovered(throwaway, monkeypatch):
         "schedules": [],
         "adapters": [],
         "loggers": [],
+        "attention_kernels": [],
     }
     opdef = pm.ops.get("throwaway.triple")
     assert opdef.registrant == "throwaway"

@@ -22,6 +22,10 @@ Checks (see bench/README.md, "GPU check", for what each figure means):
 - ``compiled-codegen``: generated code under ``ComputeConfig(compile=...)`` (the
   ``--compile-backend``), GPT with a plan of one device: loss and gradients against the
   eager model, and its step time against the same generated code run eagerly;
+- ``ring-flash``: ring and zigzag ring attention (4 parts on the one GPU) with
+  flash-attention's block kernel, bf16: parity against float32 attention on the whole
+  sequence, and its time against the ring on the math kernel (SKIP without
+  ``flash_attn``);
 - ``throughput``: a Llama of about 1 B parameters in bf16 with sdpa attention at sequence
   2048 (tiny on CPU) through the Trainer (a plan of one device), against a plain PyTorch
   loop and ``torch.compile`` of that loop on the same model and batch.
@@ -171,6 +175,7 @@ class Check:
 def all_checks() -> list[Check]:
     from gpu_checks import autodist_estimate, cuda_tests, measure_peak_check, parity, quickstart
     from gpu_compile import compiled_codegen
+    from gpu_ring import ring_flash
     from gpu_throughput import throughput
 
     return [
@@ -181,6 +186,7 @@ def all_checks() -> list[Check]:
         Check("autodist-estimate", autodist_estimate, 90, 90, needs=("numpy",)),
         Check("measure-peak", measure_peak_check, 30, 30),
         Check("compiled-codegen", compiled_codegen, 90, 120, needs=("numpy",)),
+        Check("ring-flash", ring_flash, 30, 90),
         Check("throughput", throughput, 120, 300, needs=("numpy", "transformers")),
     ]
 
@@ -264,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default="",
                         help="comma-separated checks to run (default: all): "
                              "cuda-tests,parity,quickstart,autodist-estimate,measure-peak,"
-                             "throughput")
+                             "compiled-codegen,ring-flash,throughput")
     parser.add_argument("--json", default=None,
                         help="where to write the figures (default: $OUT/gpu_check.json "
                              "when $OUT is set, else nowhere)")

@@ -47,6 +47,7 @@ from nnscaler.ops.builtin.attention_blocks import (
     additive_mask,
     reduce_to,
 )
+from nnscaler.ops.builtin.attention_kernels import select_kernel
 from nnscaler.ops.builtin.nn import f64
 from nnscaler.ops.registry import OpRegistry
 
@@ -171,18 +172,154 @@ def context_parallel_attention(
     else:
         def segments(p: int) -> list[Segment]:
             return [(p * c, (p + 1) * c)]
-    out = _ring(query, key, value, mask, group, segments, opts)
+    out = _ring(query, key, value, mask, group, segments, opts, zigzag=strategy == "zigzag")
     return from_zigzag(out, group, -2) if strategy == "zigzag" else out
 
 
-def _ring(query, key, value, mask, group, segments, opts) -> torch.Tensor:
+def _ring(query, key, value, mask, group, segments, opts, *, zigzag: bool) -> torch.Tensor:
     """The ring on this part's pieces: by autograd through ``send_recv`` where the parts
     are threads of one process (their backward runs in one thread, so it cannot talk),
-    or where the mask takes gradients; otherwise by `_RingAttention`, which keeps only
-    its own chunk for the backward."""
+    or where the mask takes gradients; without a mask, on whole batches of heads, by
+    `_KernelRing` (blocks by the kernel `select_kernel` picks); otherwise by
+    `_RingAttention`. Both keep only their own chunk for the backward."""
     if isinstance(group, ThreadPartGroup) or (mask is not None and mask.requires_grad):
         return _ring_autograd(query, key, value, mask, group, segments, opts)
+    if mask is None and _kernel_shapes(query, key, value):
+        kernel = select_kernel(query, key, value)
+        step = ring_steps(group.size, group.index, query.shape[-2], zigzag=zigzag,
+                          causal=opts["causal"])
+        return _KernelRing.apply(query, key, value, group, step, kernel, opts["scale"])
     return _RingAttention.apply(query, key, value, mask, group, segments, opts)
+
+
+# -- the ring on block kernels -----------------------------------------------------------
+
+#: ``(query rows, key rows, diagonal)`` of this part's queries and the block in hand
+Step = tuple[slice, slice, bool]
+
+
+def _kernel_shapes(query, key, value) -> bool:
+    """Whole batches of heads, as a block kernel takes them: ``(B, H, L, E)`` with one
+    batch size, key and value heads alike, dividing the query heads."""
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return False
+    return (query.shape[0] == key.shape[0] == value.shape[0]
+            and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0)
+
+
+def ring_steps(n: int, i: int, chunk: int, *, zigzag: bool, causal: bool):
+    """What part ``i`` of ``n`` computes with the key/value block of part ``src``:
+    a `Step`, or None (every key after every query). The cases (``h = chunk / 2``;
+    in zigzag order part ``p`` holds half-chunks ``p`` and ``2n - 1 - p``)::
+
+        case                     src < i               src == i       src > i
+        1 not causal             all x all             all x all      all x all
+        2 causal ring            all x all             diagonal       nothing
+        3 causal zigzag          all x keys[:h]        diagonal       queries[h:] x all
+
+    Case 3: an earlier part's early half-chunk precedes both of ours and its late one
+    follows both; a later part's early half-chunk precedes only our late one, and its
+    late one precedes it too. The diagonal step of zigzag is the causal mask of the
+    part's own two half-chunks, in their order."""
+    every, h = slice(0, chunk), chunk // 2
+
+    def step(src: int) -> Step | None:
+        if not causal:
+            return every, every, False
+        if src == i:
+            return every, every, True
+        if not zigzag:
+            return (every, every, False) if src < i else None
+        return (every, slice(0, h), False) if src < i else (slice(h, chunk), every, False)
+    return step
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
+           m: torch.Tensor) -> None:
+    """Merge a block's ``(o, m)`` into rows ``rows`` of ``(out, lse)`` by the
+    log-sum-exp rule, in place (a row that saw no key has ``lse`` -inf and stays so)."""
+    old_o, old_m = out[..., rows, :], lse[..., rows]
+    top = torch.maximum(old_m, m)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    a, b = torch.exp(old_m - top), torch.exp(m - top)
+    den = a + b
+    lse[..., rows] = top + den.log()
+    den = torch.where(den > 0, den, torch.ones_like(den))
+    out[..., rows, :] = (old_o * a.unsqueeze(-1) + o * b.unsqueeze(-1)) / den.unsqueeze(-1)
+
+
+def _wide(x: torch.Tensor) -> torch.dtype:
+    """The dtype partial results add up in: float32 for half precision."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def ring_forward(kernel, query, key, value, group: PartGroup, step, scale: float):
+    """The ring's forward on a block kernel: ``(out, lse)`` of this part's queries
+    (``out`` in the queries' dtype, ``lse`` as the kernel gives it, widened)."""
+    n, i = group.size, group.index
+    out = lse = None
+    k, v = key, value
+    for t in range(n):
+        s = step((i - t) % n)
+        if s is not None:
+            rows, cols, diag = s
+            o, m = kernel.forward(query[..., rows, :], k[..., cols, :], v[..., cols, :],
+                                  causal=diag, scale=scale)
+            if out is None:  # the first step is the diagonal one: every row
+                out, lse = o.to(_wide(o)), m.to(torch.promote_types(m.dtype, _wide(o)))
+            else:
+                _merge(out, lse, rows, o.to(out.dtype), m.to(lse.dtype))
+        if t < n - 1:
+            k, v = _shift(group, k, v)
+    return out.to(query.dtype), lse
+
+
+def ring_backward(kernel, dout, query, key, value, out, lse, group: PartGroup, step,
+                  scale: float):
+    """The ring's backward on a block kernel: the key/value blocks go around again, and
+    each block's gradients travel with it (added up in `_wide` precision) until a last
+    step takes them home; returns ``(dq, dk, dv)``."""
+    n, i = group.size, group.index
+    dq = torch.zeros(query.shape, dtype=_wide(query), device=query.device)
+    k, v = key, value
+    dk = torch.zeros(key.shape, dtype=_wide(key), device=key.device)
+    dv = torch.zeros(value.shape, dtype=_wide(value), device=value.device)
+    for t in range(n):
+        s = step((i - t) % n)
+        if s is not None:
+            rows, cols, diag = s
+            gq, gk, gv = kernel.backward(dout[..., rows, :], query[..., rows, :],
+                                         k[..., cols, :], v[..., cols, :], out[..., rows, :],
+                                         lse[..., rows], causal=diag, scale=scale)
+            dq[..., rows, :] += gq
+            dk[..., cols, :] += gk
+            dv[..., cols, :] += gv
+        if t < n - 1:
+            k, v, dk, dv = _shift(group, k, v, dk, dv)
+    if n > 1:  # the block held now is part i + 1's: its gradients go home
+        dk, dv = _shift(group, dk, dv)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+class _KernelRing(torch.autograd.Function):
+    """`ring_forward` and `ring_backward` as one autograd op: the forward keeps this
+    part's queries, keys, values, output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, step, kernel, scale):  # type: ignore[override]
+        with torch.no_grad():
+            out, lse = ring_forward(kernel, query, key, value, group, step, scale)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.group, ctx.step, ctx.kernel, ctx.scale = group, step, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        query, key, value, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            grads = ring_backward(ctx.kernel, dout.contiguous(), query, key, value, out, lse,
+                                  ctx.group, ctx.step, ctx.scale)
+        return (*grads, None, None, None, None)
 
 
 def _shift(group: PartGroup, *xs: torch.Tensor) -> list[torch.Tensor]:

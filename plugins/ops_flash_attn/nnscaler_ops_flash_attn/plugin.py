@@ -1,4 +1,5 @@
-"""The nnscaler plugin: registers the flash-attn operators.
+"""The nnscaler plugin: registers the flash-attn operators, and flash-attention's block
+kernel for nnscaler's ring attention (`nnscaler_ops_flash_attn.ring`).
 
 Found through the entry point ``ops_flash_attn`` in the group ``nnscaler``. Each op is
 registered under the name ``flash_attn.<function>`` for the raw implementation in
@@ -16,7 +17,7 @@ from nnscaler.extend import hookimpl
 from nnscaler_ops_flash_attn.annotations import OPS
 
 if TYPE_CHECKING:
-    from nnscaler.extend import OpRegistry
+    from nnscaler.extend import OpRegistry, Registry
 
 
 @hookimpl
@@ -31,3 +32,12 @@ def nnscaler_register_ops(registry: OpRegistry) -> None:
             input_gen_fn=spec.input_gen_fn,
             aliases=(wrapper,),
         )
+
+
+@hookimpl
+def nnscaler_register_attention_kernels(registry: Registry) -> None:
+    """flash-attention runs ring attention's blocks on CUDA in half precision."""
+    from nnscaler_ops_flash_attn.ring import FlashBlockKernel
+
+    kernel = FlashBlockKernel()
+    registry.register(kernel.name, kernel)
