@@ -15,10 +15,20 @@ batch of one, flattened) splits too, its parts all-reducing their sums and count
 tokens of a chunk are not contiguous, so the logits are gathered for the loss.
 
 Data parallelism composes through the scale units (``runtime_ngpus = k * plan_ngpus``).
+
+Tensor parallelism composes inside the unit with ``pas_config['tensor_parallel']`` (or
+Megatron's name, ``tensor_model_parallel_size``): ``tp`` dividing ``plan_ngpus``, the
+sequence is split over ``plan_ngpus / tp`` devices and every op over ``tp`` first. That
+plan is the ``megatron`` policy's tensor x context parallelism (attention by heads,
+linears by columns and rows, the loss by the vocabulary, then each tensor-parallel part
+along the sequence: `split_sequence_within`), so the policy hands it to ``megatron``
+(``plugins/policy_megatron``) with the sizes, ``sequence_dims`` and the attention
+strategy translated, rather than keep a second copy of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +38,7 @@ from nnscaler.ir import Graph, Op, SubTensor
 from nnscaler.ops.builtin.token_loss import token_split
 from nnscaler.policies.batch_split import _batch_transform, _follow, batch_dims_of_inputs
 from nnscaler.policies.common import PolicyError, as_policy_graph, assign_parts, policy_config
+from nnscaler.registry import active_registry
 
 __all__ = ["ATTENTION_STRATEGIES", "SDPA", "attention_split", "sequence", "split_sequence",
            "split_sequence_within"]
@@ -87,24 +98,64 @@ def _is_self_attention(op: Op) -> bool:
 
 def sequence(graph: Graph, compute_config: ComputeConfig) -> IRGraph:
     """Split the sequence across ``compute_config.plan_ngpus`` devices (see the module
-    docstring). ``pas_config``: ``sequence_dims`` (``{argument: dim or None}``) and
-    ``attention`` (``'ring'`` or ``'ulysses'``)."""
+    docstring). ``pas_config``: ``sequence_dims`` (``{argument: dim or None}``),
+    ``attention`` (``'ring'`` or ``'ulysses'``) and ``tensor_parallel`` (a divisor of
+    ``plan_ngpus``, default 1; with ``sequence_parallel``, Megatron's)."""
     config = policy_config(compute_config, "sequence")
     n, cfg = config.plan_ngpus, config.pas_config
-    for key in ("tensor_parallel", "tensor_model_parallel_size"):
-        if cfg.get(key, 1) != 1:
-            raise PolicyError(
-                f"policy 'sequence' splits the sequence over all plan_ngpus={n} devices and "
-                f"takes no tensor-parallel degree; got pas_config[{key!r}]={cfg[key]!r}. For "
-                f"tensor x context parallelism in one scale unit use the 'megatron' policy "
-                f"(tensor_model_parallel_size with context_parallel_size), or "
-                f"split_sequence_within (nnscaler.extend) in a policy of your own")
+    tp = _tensor_degree(cfg, n)
+    if tp > 1:
+        return _tensor_and_context(graph, config, tp)
     g = as_policy_graph(graph)
     for _, parts in split_sequence(g, n, strategy=cfg.get("attention", "ring"),
                                    sequence_dims=cfg.get("sequence_dims")):
         assign_parts(g, parts)
     g.check(n)
     return g
+
+
+#: the names ``pas_config`` may give the tensor-parallel degree by (the second is Megatron's)
+TENSOR_KEYS = ("tensor_parallel", "tensor_model_parallel_size")
+#: the attention strategy -> Megatron's ``cp_comm_type``
+_CP_COMM = {"ring": "p2p", "ulysses": "a2a"}
+
+
+def _tensor_degree(cfg: dict, n: int) -> int:
+    """The tensor-parallel degree ``pas_config`` asks for (1 when it names none)."""
+    given = {k: cfg[k] for k in TENSOR_KEYS if k in cfg}
+    if len(set(map(repr, given.values()))) > 1:
+        raise PolicyError(f"policy 'sequence': pas_config gives the tensor-parallel degree "
+                          f"twice, differently: {given}. Give one of {list(given)}")
+    key, tp = next(iter(given.items()), ("tensor_parallel", 1))
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or n % tp:
+        raise PolicyError(
+            f"policy 'sequence': pas_config[{key!r}] is the tensor-parallel degree inside "
+            f"the scale unit, a divisor of plan_ngpus={n} (the sequence is split over "
+            f"plan_ngpus / {key}); got {tp!r}. Give one of "
+            f"{[d for d in range(1, n + 1) if n % d == 0]}")
+    return tp
+
+
+def _tensor_and_context(graph: Graph, config: ComputeConfig, tp: int) -> IRGraph:
+    """Tensor x context parallelism: the ``megatron`` policy's plan of these sizes."""
+    cfg, n = config.pas_config, config.plan_ngpus
+    policies = active_registry("policies")
+    if "megatron" not in policies:
+        raise PolicyError(
+            f"policy 'sequence' with a tensor-parallel degree ({tp} of plan_ngpus={n}) "
+            f"plans with the 'megatron' policy's tensor x context parallelism, which is not "
+            f"installed. Fix: pip install ./plugins/policy_megatron, or drop the "
+            f"tensor-parallel degree")
+    strategy = cfg.get("attention", "ring")
+    if strategy not in ATTENTION_STRATEGIES:
+        raise PolicyError(f"policy 'sequence': pas_config['attention'] is one of "
+                          f"{sorted(ATTENTION_STRATEGIES)}, got {strategy!r}")
+    pas = {"tensor_model_parallel_size": tp, "context_parallel_size": n // tp,
+           "cp_comm_type": _CP_COMM[strategy], "use_distributed_optimizer": config.use_zero}
+    for key in ("sequence_dims", "sequence_parallel"):
+        if key in cfg:
+            pas[key] = cfg[key]
+    return policies.get("megatron")(graph, dataclasses.replace(config, pas_config=pas))
 
 
 def split_sequence(g: IRGraph, num: int, *, strategy: str = "ring",

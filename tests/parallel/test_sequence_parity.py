@@ -3,10 +3,12 @@
 Ulysses; with data parallelism over two scale units; with a batch of one, whose mean
 loss splits over the tokens) equals one process: per-step
 losses and every parameter after the steps, rtol 1e-5. The generated code calls the
-part op with the group of its sequence chunks."""
+part op with the group of its sequence chunks. With a tensor degree (tp 2 x cp 2 on 4
+processes) under ``NNSCALER_SLOW_TESTS=1``."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -33,14 +35,15 @@ def _samples(units: int, batch: int) -> list:
             for s in range(3)]
 
 
-def _worker(rank, world, plan, attention, batch, gen_savedir):
+def _worker(rank, world, plan, attention, batch, gen_savedir, tp=1):
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     units = world // plan
     data = _samples(units, batch)
     ref_losses, ref_state = reference_train(make_model("gpt"), data)
     cfg = ComputeConfig(plan_ngpus=plan, runtime_ngpus=world,
-                        pas_config={"attention": attention})
+                        pas_config={"attention": attention,
+                                    **({"tensor_parallel": tp} if tp > 1 else {})})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = parallelize(make_model("gpt"), {"batch": data[0][0][0]}, "sequence", cfg,
@@ -69,3 +72,15 @@ def test_sequence_policy_trains_like_one_process(plan, world, attention, batch, 
     want = "'zigzag'" if attention == "ring" else "'ulysses'"
     assert f"strategy={want}" in code
     assert ("token_parallel_cross_entropy" in code) == (batch == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("NNSCALER_SLOW_TESTS") != "1",
+                    reason="slow: set NNSCALER_SLOW_TESTS=1")
+def test_a_tensor_degree_trains_like_one_process(tmp_path):
+    """tp 2 x cp 2 in one unit of 4 (``pas_config['tensor_parallel']``): the megatron
+    policy's plan, handed the sizes by ``sequence``."""
+    checked = run_distributed(_worker, 4, 4, "ring", 4, str(tmp_path), 2)
+    assert all(c > 0 for c in checked)
+    code = next(Path(tmp_path).rglob("gencode0.py")).read_text()
+    assert "strategy='zigzag'" in code and "self.part_group(" in code

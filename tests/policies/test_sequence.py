@@ -122,8 +122,44 @@ def test_errors():
         _plan("gpt", 2, attention="tree")
     with pytest.raises(PolicyError, match=r"sequence dim 1.*16.*3 devices.*sequence length"):
         _plan("gpt", 3)
-    with pytest.raises(PolicyError, match=r"takes no tensor-parallel degree.*"
-                                          r"\['tensor_parallel'\]=2.*'megatron' policy"):
+    with pytest.raises(PolicyError, match=r"\['tensor_parallel'\] is the tensor-parallel "
+                                          r"degree.*divisor of plan_ngpus=4.*got 3.*\[1, 2, 4\]"):
+        _plan("gpt", 4, tensor_parallel=3)
+    with pytest.raises(PolicyError, match=r"twice, differently"):
+        _plan("gpt", 4, tensor_parallel=2, tensor_model_parallel_size=4)
+
+
+def _attention_parts(graph: IRGraph) -> list:
+    return [op for op in graph.nodes()
+            if op.opdef is not None and op.opdef.name == CONTEXT_PARALLEL_ATTENTION]
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_a_tensor_degree_splits_heads_then_the_sequence(attention):
+    """tp 2 x cp 2 in one unit of 4: attention's parts hold half the heads and half the
+    sequence, device ``c * tp + t`` holding head part ``t`` of chunk ``c`` (Megatron's
+    order: the megatron policy's plan, which the sequence policy hands the sizes to)."""
+    graph = _plan("gpt", 4, tensor_parallel=2, attention=attention)
+    parts = _attention_parts(graph)
+    assert len(parts) == 2 * 4  # two layers
+    for op in parts:
+        _, heads, tokens, _ = op.input_tensors()[0].indmap
+        t, c = heads[0] // 2, tokens[0] // (SEQ // 2)
+        assert heads[1] - heads[0] == 2 and tokens[1] - tokens[0] == SEQ // 2
+        assert op.device == c * 2 + t
+        assert op.kwargs["strategy"] == ("zigzag" if attention == "ring" else "ulysses")
+    _reproduces(graph, "gpt", 4)
+
+
+def test_a_tensor_degree_needs_the_megatron_policy(monkeypatch):
+    import importlib
+
+    from nnscaler.registry import Registry
+
+    module = importlib.import_module("nnscaler.policies.sequence")
+    monkeypatch.setattr(module, "active_registry", lambda kind: Registry("policy"))
+    with pytest.raises(PolicyError, match=r"'megatron' policy.*not installed.*"
+                                          r"pip install ./plugins/policy_megatron"):
         _plan("gpt", 4, tensor_parallel=2)
 
 
