@@ -31,10 +31,12 @@ What they cost, per part (`CostModel.option` asks `PartTimes` and `ring_backward
   ``send_recv`` for the query, key, value and output, and again backward); zigzag's
   half-chunk swaps; the token loss's one all-reduce of two numbers (twice with its
   gradient; recorded on meta tensors like any part op whose parts talk).
-- *memory*: activations as for any split (each part keeps its chunk); briefly, the
-  ring's blocks in flight (the key, value and their gradients: four chunks) and
-  Ulysses' re-laid query, key, value and output (four chunks), as the option's
-  ``transient`` (a stage holds the largest).
+- *memory*: activations as for any split (each part keeps its chunk); briefly, as the
+  option's ``transient`` (a stage holds the largest, `sequence_transient`): the ring's
+  buffers in flight, two key and two value chunks (a block and, backward, its gradients
+  arriving while the ones in hand are held) and one output chunk (a block's partial
+  output merged into the running one), and Ulysses' re-laid query, key, value and
+  output (four chunks).
 """
 
 from __future__ import annotations
@@ -166,12 +168,24 @@ def _last(op: Op, pos: int) -> int:
 
 
 def sequence_transient(op: Op, t: Transform | None, k: int) -> float:
-    """Bytes a part holds briefly beyond its chunk: four key/value-sized chunks (the
-    ring's blocks and their gradients in flight; Ulysses' query, key, value and output
-    in the head layout)."""
-    if t is None or part_strategy(op, t, k) not in ("ring", "zigzag", "ulysses"):
+    """Bytes a part holds briefly beyond what the op holds on its chunk alone.
+
+    - ring and zigzag: the key and value blocks arriving from the previous part while
+      the ones in hand are held, and in backward their gradients with them (two key and
+      two value chunks), and a block's partial output while it is merged into the
+      running output by the log-sum-exp rule (one output chunk). Measured on CPU against
+      a part of one with the same chunk (`test_autodist_sequence.py`): the plain causal
+      ring's busiest part holds exactly this, zigzag's 0.5-0.8 of it;
+    - Ulysses: the query, key, value and output re-laid by heads (four chunks)."""
+    strategy = part_strategy(op, t, k)
+    if t is None or strategy not in ("ring", "zigzag", "ulysses"):
         return 0.0
-    return 2.0 * (_chunk_bytes(op, t, k, 1) + _chunk_bytes(op, t, k, 2))
+    kv = _chunk_bytes(op, t, k, 1) + _chunk_bytes(op, t, k, 2)
+    if strategy == "ulysses":
+        return 2.0 * kv
+    q = _chunk_bytes(op, t, k, 0)
+    e, ev = _last(op, 0), _last(op, 2)
+    return 2.0 * kv + (q * ev // e if e else q)
 
 
 def time_part(job: tuple[ProfileJob, int]) -> tuple[float, float] | str:
