@@ -69,6 +69,7 @@ from nnscaler_policy_autodist.sequence import (
     PartTimes,
     attention_calls,
     part_strategy,
+    sequence_kept,
     sequence_transient,
     usable,
 )
@@ -288,6 +289,7 @@ class CostModel:
             for full, lay in writes:
                 if full.dtype.is_floating_point:
                     act += (full.numel if lay is None else lay.piece_numel) * full.dtype.itemsize
+            act += sequence_kept(op, t, k)  # a part's own copies kept for backward
         for full, lay in writes:
             if full in outputs:
                 comm += self.move(full, lay, replicated(full, k), full.requires_grad)

@@ -35,8 +35,9 @@ What they cost, per part (`CostModel.option` asks `PartTimes` and `ring_backward
   option's ``transient`` (a stage holds the largest, `sequence_transient`): the ring's
   buffers in flight, two key and two value chunks (a block and, backward, its gradients
   arriving while the ones in hand are held) and one output chunk (a block's partial
-  output merged into the running one), and Ulysses' re-laid query, key, value and
-  output (four chunks).
+  output merged into the running one), and the pieces of Ulysses' all-to-alls arriving;
+  kept from forward to backward (`sequence_kept`), zigzag's and Ulysses' re-laid query,
+  key, value and output (four chunks).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ from nnscaler_policy_autodist.profile import (
     tensor_spec,
 )
 
-__all__ = ["PartTimes", "attention_calls", "part_strategy", "planning", "sequence_transient",
-           "usable"]
+__all__ = ["PartTimes", "attention_calls", "part_strategy", "planning", "sequence_kept",
+           "sequence_transient", "usable"]
 
 logger = logging.getLogger("nnscaler.autodist.sequence")
 
@@ -176,16 +177,34 @@ def sequence_transient(op: Op, t: Transform | None, k: int) -> float:
       running output by the log-sum-exp rule (one output chunk). Measured on CPU against
       a part of one with the same chunk (`test_autodist_sequence.py`): the plain causal
       ring's busiest part holds exactly this, zigzag's 0.5-0.8 of it;
-    - Ulysses: the query, key, value and output re-laid by heads (four chunks)."""
+    - Ulysses: the pieces of one re-laid tensor arriving before they are concatenated,
+      ``(n - 1) / n`` of its largest chunk (the re-laid tensors themselves are kept:
+      `sequence_kept`)."""
     strategy = part_strategy(op, t, k)
     if t is None or strategy not in ("ring", "zigzag", "ulysses"):
         return 0.0
-    kv = _chunk_bytes(op, t, k, 1) + _chunk_bytes(op, t, k, 2)
+    q, kc, vc, out = _chunks(op, t, k)
     if strategy == "ulysses":
-        return 2.0 * kv
-    q = _chunk_bytes(op, t, k, 0)
+        return max(q, kc, vc, out) * (k - 1) / k
+    return 2.0 * (kc + vc) + out
+
+
+def sequence_kept(op: Op, t: Transform | None, k: int) -> float:
+    """Bytes a part keeps from forward to backward beyond its output: zigzag's
+    query, key, value and output in zigzag order (its ring's saved tensors; the output
+    it returns is swapped back), Ulysses' re-laid by heads (what attention on them saves);
+    the plain ring saves its inputs and output, already counted. Measured after the
+    forward on 2 gloo processes: the ring holds its output, zigzag and Ulysses 5 chunks."""
+    if part_strategy(op, t, k) not in ("zigzag", "ulysses"):
+        return 0.0
+    return float(sum(_chunks(op, t, k)))
+
+
+def _chunks(op: Op, t: Transform, k: int) -> tuple[int, int, int, int]:
+    """Bytes of a part's query, key, value and output chunks."""
+    q, kc, vc = (_chunk_bytes(op, t, k, pos) for pos in range(3))
     e, ev = _last(op, 0), _last(op, 2)
-    return 2.0 * kv + (q * ev // e if e else q)
+    return q, kc, vc, (q * ev // e if e else q)
 
 
 def time_part(job: tuple[ProfileJob, int]) -> tuple[float, float] | str:
