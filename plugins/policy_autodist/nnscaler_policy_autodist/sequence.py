@@ -125,9 +125,9 @@ def attention_calls(op: Op, t: Transform | None, k: int, grads: bool
     sequence: recording them takes seconds at 16K tokens and minutes at 64K):
 
     - ring: ``n - 1`` steps sending the key and value chunks; its own backward
-      (`_RingAttention`) sends them again *with* their gradients and a last step takes
-      the gradients home, ``n`` sends of each more than the forward's mirror (charged
-      once, where gradients flow);
+      (`_KernelRing`, or `_RingAttention` with a mask) sends them again *with* their
+      gradients and a last step takes the gradients home, ``n`` sends of each more than
+      the forward's mirror (charged once, where gradients flow);
     - zigzag: the ring, after swapping half-chunks of the query, key and value (two
       sends of a half each) and before swapping the output's back (autograd's mirror
       backward);
