@@ -13,8 +13,8 @@ takes (equal for queries, keys and values, a multiple of 8, at most 256) when
 ``flash_attn`` imports, and runs nnscaler's math kernel otherwise.
 
 flash-attn 2.6 and 2.7+ differ in these private functions: 2.7 splits ``window_size``
-into ``window_size_left`` and ``window_size_right``; releases before 2.6 also return the
-padded inputs. Both are handled here.
+into ``window_size_left`` and ``window_size_right``, and 2.6's forward also returns the
+padded inputs. Both are handled here; releases before 2.6 (no ``softcap``) are not taken.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def _interface() -> ModuleType:
 
 
 def _version(module: ModuleType) -> tuple[int, ...]:
+    """``(major, minor)`` of the ``flash_attn`` package ``module`` belongs to."""
     fa = importlib.import_module(module.__name__.split(".")[0])
     parts = str(getattr(fa, "__version__", "0")).split(".")
     return tuple(int(p) for p in (parts + ["0", "0"])[:2] if p.isdigit())
@@ -51,7 +52,7 @@ def _window(module: ModuleType) -> dict:
 
 
 def _out_lse(result: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, softmax_lse)`` of a forward's result (4 items from 2.6 on, else 8)."""
+    """``(out, softmax_lse)`` of a forward's result (4 items from 2.7 on, 8 in 2.6)."""
     return (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
 
 
@@ -78,7 +79,8 @@ class FlashBlockKernel(BlockKernel):
         e = q.shape[-1]
         return (q.device.type in self.devices and q.dtype in self.dtypes
                 and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == e
-                and e % 8 == 0 and e <= 256 and kernels.flash_attn_available())
+                and e % 8 == 0 and e <= 256 and kernels.flash_attn_available()
+                and _version(_interface()) >= (2, 6))
 
     def forward(self, q, k, v, *, causal, scale, packed: Packed | None = None):
         fi = _interface()
@@ -88,9 +90,9 @@ class FlashBlockKernel(BlockKernel):
             out, lse = _out_lse(fi._flash_attn_forward(_bshd(q), _bshd(k), _bshd(v), 0.0,
                                                        scale, **opts))
             return out.transpose(1, 2), lse
-        out, lse = _out_lse(fi._flash_attn_varlen_forward(
+        out, lse = _out_lse(fi._flash_attn_varlen_forward(  # 2.6 has no default block_table
             _thd(q), _thd(k), _thd(v), packed.cu_q, packed.cu_k, packed.max_q, packed.max_k,
-            0.0, scale, **opts))
+            0.0, scale, **opts, block_table=None))
         # a sequence with no key in this block: flash-attn writes lse +inf, the ring -inf
         lse = lse.masked_fill(lse == math.inf, -math.inf)
         return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
