@@ -184,7 +184,7 @@ def _ring(query, key, value, mask, group, segments, opts, *, zigzag: bool) -> to
     `_RingAttention`. Both keep only their own chunk for the backward."""
     if isinstance(group, ThreadPartGroup) or (mask is not None and mask.requires_grad):
         return _ring_autograd(query, key, value, mask, group, segments, opts)
-    if mask is None and _kernel_shapes(query, key, value):
+    if mask is None and _kernel_shapes(query, key, value, opts["repeat"]):
         kernel = select_kernel(query, key, value)
         step = ring_steps(group.size, group.index, query.shape[-2], zigzag=zigzag,
                           causal=opts["causal"])
@@ -198,13 +198,14 @@ def _ring(query, key, value, mask, group, segments, opts, *, zigzag: bool) -> to
 Step = tuple[slice, slice, bool]
 
 
-def _kernel_shapes(query, key, value) -> bool:
+def _kernel_shapes(query, key, value, repeat: int) -> bool:
     """Whole batches of heads, as a block kernel takes them: ``(B, H, L, E)`` with one
-    batch size, key and value heads alike, dividing the query heads."""
+    batch size, key and value heads alike, ``repeat`` query heads to each (1 unless
+    ``enable_gqa``: other shapes go the way that raises as the whole op does)."""
     if not (query.dim() == key.dim() == value.dim() == 4):
         return False
     return (query.shape[0] == key.shape[0] == value.shape[0]
-            and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0)
+            and key.shape[1] == value.shape[1] and query.shape[1] == key.shape[1] * repeat)
 
 
 def ring_steps(n: int, i: int, chunk: int, *, zigzag: bool, causal: bool):

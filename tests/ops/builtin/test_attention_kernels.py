@@ -179,3 +179,18 @@ def test_the_plugin_manager_registers_the_math_kernel():
     pm = NNScalerPluginManager(autoload=False)
     assert pm.attention_kernels.get("math") is MATH
     assert pm.contributions("nnscaler.ops.builtin")["attention_kernels"] == ["math"]
+
+
+def test_fewer_key_heads_without_gqa_are_refused_as_by_the_whole_op():
+    """The block-kernel ring takes GQA only with ``enable_gqa``, as
+    ``scaled_dot_product_attention`` does: without it both raise."""
+    from nnscaler.ops.builtin.context_parallel import context_parallel_attention
+
+    q, k, v = _qkv(1, 4, 2, 4, 4)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError):
+        context_parallel_attention(q, k, v)
+    out = context_parallel_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                               rtol=RTOL, atol=ATOL)
