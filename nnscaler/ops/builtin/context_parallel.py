@@ -23,6 +23,12 @@ whose parts talk through their `PartGroup`, by one of four strategies:
     Every part gathers all keys and values and attends its own queries: the simplest
     plan, with ``n`` times the key/value memory.
 
+On processes, without a mask (or with a mask of packed documents in the plain ring:
+`nnscaler.ops.builtin.attention_documents`), the ring runs each step on a block kernel
+(`nnscaler.ops.builtin.attention_kernels`: the math kernel, or a plugin's such as
+flash-attention's) and merges the blocks' outputs by their log-sum-exp (`ring_forward`,
+`ring_backward`; the steps by `ring_steps` and `document_steps`).
+
 Split ``scaled_dot_product_attention`` along the key's sequence dim (``idx=1``) for the
 ring (zigzag when causal and the sequence divides by ``2 n``) and along the value's
 (``idx=2``) for Ulysses; `nnscaler.policies.sequence` does this by name.
@@ -46,6 +52,13 @@ from nnscaler.ops.builtin.attention_blocks import (
     Segment,
     additive_mask,
     reduce_to,
+)
+from nnscaler.ops.builtin.attention_documents import (
+    Documents,
+    block_pack,
+    documents_of,
+    flat,
+    unflat,
 )
 from nnscaler.ops.builtin.attention_kernels import select_kernel
 from nnscaler.ops.builtin.nn import f64
@@ -184,10 +197,17 @@ def _ring(query, key, value, mask, group, segments, opts, *, zigzag: bool) -> to
     `_RingAttention`. Both keep only their own chunk for the backward."""
     if isinstance(group, ThreadPartGroup) or (mask is not None and mask.requires_grad):
         return _ring_autograd(query, key, value, mask, group, segments, opts)
-    if mask is None and _kernel_shapes(query, key, value, opts["repeat"]):
+    if not _kernel_shapes(query, key, value, opts["repeat"]):
+        return _RingAttention.apply(query, key, value, mask, group, segments, opts)
+    n, i, c = group.size, group.index, query.shape[-2]
+    step = None
+    if mask is None:
+        step = ring_steps(n, i, c, zigzag=zigzag, causal=opts["causal"])
+    elif not zigzag and not opts["causal"]:  # packed documents, read from the mask
+        docs = documents_of(mask, query.shape[0], c, i * c)
+        step = None if docs is None else document_steps(docs, n, i, query.device)
+    if step is not None:
         kernel = select_kernel(query, key, value)
-        step = ring_steps(group.size, group.index, query.shape[-2], zigzag=zigzag,
-                          causal=opts["causal"])
         return _KernelRing.apply(query, key, value, group, step, kernel, opts["scale"])
     return _RingAttention.apply(query, key, value, mask, group, segments, opts)
 
@@ -235,6 +255,49 @@ def ring_steps(n: int, i: int, chunk: int, *, zigzag: bool, causal: bool):
     return step
 
 
+def document_steps(docs: Documents, n: int, i: int, device: torch.device):
+    """`ring_steps` for packed documents (`documents_of`): every step takes all the
+    rows and keys, as sequences (the fourth item, a `BlockPack`); the diagonal block is
+    causal where the documents are, and under causal masking later blocks are skipped."""
+    packs: dict[int, Any] = {}
+    every = slice(0, docs.chunk)
+
+    def step(src: int):
+        if docs.causal and src > i:
+            return None
+        if src not in packs:
+            packs[src] = block_pack(docs, src, device)
+        pack = packs[src]
+        return None if pack is None else (every, every, docs.causal and src == i, pack)
+    return step
+
+
+def _block_forward(kernel, query, k, v, s, scale):
+    rows, cols, diag, *pack = s
+    if not pack:
+        return kernel.forward(query[..., rows, :], k[..., cols, :], v[..., cols, :],
+                              causal=diag, scale=scale)
+    b, keys = query.shape[0], pack[0].keys
+    o, m = kernel.forward(flat(query), flat(k)[..., keys, :], flat(v)[..., keys, :],
+                          causal=diag, scale=scale, packed=pack[0].packed)
+    return unflat(o, b), unflat(m, b)
+
+
+def _block_backward(kernel, dout, query, k, v, out, lse, s, scale):
+    rows, cols, diag, *pack = s
+    if not pack:
+        return kernel.backward(dout[..., rows, :], query[..., rows, :], k[..., cols, :],
+                               v[..., cols, :], out[..., rows, :], lse[..., rows],
+                               causal=diag, scale=scale)
+    b, keys = query.shape[0], pack[0].keys
+    fk, fv = flat(k), flat(v)
+    gq, gk, gv = kernel.backward(flat(dout), flat(query), fk[..., keys, :], fv[..., keys, :],
+                                 flat(out), flat(lse), causal=diag, scale=scale,
+                                 packed=pack[0].packed)
+    return (unflat(gq, b), unflat(torch.zeros_like(fk).index_add_(-2, keys, gk), b),
+            unflat(torch.zeros_like(fv).index_add_(-2, keys, gv), b))
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
            m: torch.Tensor) -> None:
     """Merge a block's ``(o, m)`` into rows ``rows`` of ``(out, lse)`` by the
@@ -263,10 +326,9 @@ def ring_forward(kernel, query, key, value, group: PartGroup, step, scale: float
     for t in range(n):
         s = step((i - t) % n)
         if s is not None:
-            rows, cols, diag = s
-            o, m = kernel.forward(query[..., rows, :], k[..., cols, :], v[..., cols, :],
-                                  causal=diag, scale=scale)
-            if out is None:  # the first step is the diagonal one: every row
+            rows = s[0]
+            o, m = _block_forward(kernel, query, k, v, s, scale)
+            if out is None:  # the first step computed covers every row
                 out, lse = o.to(_wide(o)), m.to(torch.promote_types(m.dtype, _wide(o)))
             else:
                 _merge(out, lse, rows, o.to(out.dtype), m.to(lse.dtype))
@@ -288,10 +350,8 @@ def ring_backward(kernel, dout, query, key, value, out, lse, group: PartGroup, s
     for t in range(n):
         s = step((i - t) % n)
         if s is not None:
-            rows, cols, diag = s
-            gq, gk, gv = kernel.backward(dout[..., rows, :], query[..., rows, :],
-                                         k[..., cols, :], v[..., cols, :], out[..., rows, :],
-                                         lse[..., rows], causal=diag, scale=scale)
+            rows, cols = s[0], s[1]
+            gq, gk, gv = _block_backward(kernel, dout, query, k, v, out, lse, s, scale)
             dq[..., rows, :] += gq
             dk[..., cols, :] += gk
             dv[..., cols, :] += gv

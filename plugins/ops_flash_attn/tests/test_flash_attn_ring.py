@@ -214,13 +214,18 @@ def _worker(rank, world, version):
     kernels._flash_attn_module.cache_clear()
     get_plugin_manager().attention_kernels.register("flash_attn_cpu", FlashBlockKernel(**CPU_KERNEL))
     group = ProcessPartGroup(list(range(world)))
-    for strategy, causal in (("zigzag", True), ("ring", False)):
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 3, 8]))
+    packed = (doc[:, None] == doc[None]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    for strategy, causal, mask in (("zigzag", True, None), ("ring", False, None),
+                                   ("ring", False, packed)):
         q, k, v, up = _qkv(seed=4, length=16)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        want = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+        want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True)
         want_grads = torch.autograd.grad((want * up).sum(), leaves)
         mine = [t.chunk(world, -2)[rank].clone().requires_grad_(True) for t in (q, k, v)]
-        out = context_parallel_attention(*mine, is_causal=causal, enable_gqa=True,
+        rows = None if mask is None else mask.chunk(world, -2)[rank]
+        out = context_parallel_attention(*mine, rows, is_causal=causal, enable_gqa=True,
                                          strategy=strategy, group=group)
         grads = torch.autograd.grad((out * up.chunk(world, -2)[rank]).sum(), mine)
         torch.testing.assert_close(out, want.chunk(world, -2)[rank], rtol=1e-5, atol=1e-6)
@@ -230,5 +235,6 @@ def _worker(rank, world, version):
 
 
 def test_context_parallel_attention_on_processes_runs_flash_attention():
+    """Causal (zigzag), full, and packed documents given as a mask (the varlen kernels)."""
     for got in run_distributed(_worker, 2, "2.7.4"):
-        assert got == ["bwd", "fwd"]
+        assert got == ["bwd", "fwd", "varlen_bwd", "varlen_fwd"]

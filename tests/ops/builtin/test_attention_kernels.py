@@ -194,3 +194,56 @@ def test_fewer_key_heads_without_gqa_are_refused_as_by_the_whole_op():
     out = context_parallel_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                rtol=RTOL, atol=ATOL)
+
+
+def _doc_mask(length, docs, causal):
+    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    mask = doc.unsqueeze(-1) == doc.unsqueeze(0)
+    return mask & torch.ones(length, length, dtype=torch.bool).tril() if causal else mask
+
+
+def test_documents_are_read_from_the_mask_exactly():
+    from nnscaler.ops.builtin.attention_documents import block_pack, documents_of
+
+    mask = _doc_mask(8, [3, 5], causal=True)
+    docs = documents_of(mask[4:], 1, 4, 4)  # part 1 of 2: rows 4..7, all of document 2
+    assert docs.causal and docs.runs == ((0, 4, 3, 8),)
+    early, own = block_pack(docs, 0, torch.device("cpu")), block_pack(docs, 1, torch.device("cpu"))
+    assert early.keys.tolist() == [3] and early.packed.cu_k.tolist() == [0, 1]
+    assert own.keys.tolist() == [0, 1, 2, 3] and own.packed.cu_q.tolist() == [0, 4]
+    both = documents_of(_doc_mask(8, [3, 5], causal=False)[:4].float().log(), 2, 4, 0)
+    assert not both.causal and [r[2:] for r in both.runs] == [(0, 3), (3, 8)] * 2
+    window = torch.ones(8, 8, dtype=torch.bool).tril() & torch.ones(8, 8, dtype=torch.bool).triu(-2)
+    assert documents_of(window[4:], 1, 4, 4) is None  # a sliding window: no documents
+    padded = mask.clone()
+    padded[7] = False
+    assert documents_of(padded[4:], 1, 4, 4) is None  # a row that sees no key
+    assert documents_of(mask[4:].expand(2, 4, 8), 1, 4, 4) is None  # per head
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ring_on_packed_documents_is_the_whole_op(causal):
+    from nnscaler.ops.builtin.attention_documents import documents_of
+    from nnscaler.ops.builtin.context_parallel import document_steps
+
+    n, length = 2, 12
+    q, k, v = _qkv(2, 4, 2, length, 4, seed=6)
+    mask = torch.stack([_doc_mask(length, [5, 7], causal), _doc_mask(length, [2, 6, 4], causal)])
+    mask = mask.unsqueeze(1)
+    dout = torch.randn(2, 4, length, 4, generator=torch.Generator().manual_seed(8))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.5, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+
+    def part(p):
+        def run(group):
+            mine = [t.chunk(n, -2)[p] for t in (q, k, v, dout)]
+            docs = documents_of(mask.chunk(n, -2)[p], 2, length // n, p * length // n)
+            step = document_steps(docs, n, p, q.device)
+            out, lse = ring_forward(MATH, *mine[:3], group, step, 0.5)
+            return (out, *ring_backward(MATH, mine[3], *mine[:3], out, lse, group, step, 0.5))
+        return run
+    results = run_parts([part(p) for p in range(n)])
+    for j, w in enumerate([want, *want_grads]):
+        torch.testing.assert_close(torch.cat([r[j] for r in results], -2), w, rtol=RTOL,
+                                   atol=ATOL)
