@@ -39,8 +39,12 @@ def _torchrun(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
+# "kernel only" with NNSCALER_SLOW_TESTS=1: the quickstart falling back to 'dp' without the
+# plugins is tests/trainer/test_default_policy.py::test_quickstart_runs_without_the_autodist_plugin,
+# and the quickstart unchanged under torchrun on 2 ranks is "installed" here
 @pytest.mark.slow
-@pytest.mark.parametrize("plugins", ["installed", "kernel only"])
+@pytest.mark.parametrize("plugins", ["installed", pytest.param("kernel only", marks=pytest.mark.skipif(
+    os.environ.get("NNSCALER_SLOW_TESTS") != "1", reason="slow: set NNSCALER_SLOW_TESTS=1"))])
 def test_quickstart_unchanged_under_torchrun(tmp_path, plugins):
     # "kernel only": no entry-point plugin loads, as after `pip install nnscaler` alone; the
     # default policy 'autodist' then falls back to 'dp' (plan_ngpus=1, docs/trainer.md)
