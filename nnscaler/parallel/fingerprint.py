@@ -6,9 +6,11 @@ whether a saved graph is reused (`graph_key`), and a readable `diff` of two.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
+import os
 import platform
 import re
 from collections.abc import Callable, Mapping
@@ -25,12 +27,31 @@ __all__ = ["diff", "graph_key", "inputs_fingerprint", "match_key", "module_finge
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+@functools.lru_cache(maxsize=4096)
+def _source_of_file_version(cls: type, path: str, mtime_ns: int, size: int) -> str:
+    return inspect.getsource(cls)
+
+
+def _class_source(cls: type) -> str:
+    """``inspect.getsource(cls)``, remembered while the class's file is unchanged (same
+    modification time and size): finding a class parses its whole file again, 0.01 s to
+    0.03 s a class for a Hugging Face modeling file, on every ``parallelize`` call."""
+    try:
+        path = inspect.getsourcefile(cls)
+        stat = os.stat(path) if path else None
+    except (OSError, TypeError):
+        stat = None
+    if stat is None:
+        return inspect.getsource(cls)
+    return _source_of_file_version(cls, path, stat.st_mtime_ns, stat.st_size)
+
+
 def _source_digest(classes: list[type]) -> str:
     h = hashlib.sha256()
     for cls in classes:
         h.update(class_path(cls).encode())
         try:
-            h.update(inspect.getsource(cls).encode())
+            h.update(_class_source(cls).encode())
         except (OSError, TypeError):  # defined in exec'd code, a C class, ...
             pass
     return h.hexdigest()

@@ -78,6 +78,25 @@ def test_fingerprints_and_diff():
     assert fingerprint.module_fingerprint(Tiny())["buffers"] == [["scale", [4], "torch.float32", False]]
 
 
+def test_source_digest_follows_an_edited_class_file(tmp_path, monkeypatch):
+    """A class's source is remembered only while its file is unchanged: an edit (another
+    size or modification time) gives another digest, and the same file the same one."""
+    import sys
+
+    path = tmp_path / "edited_model.py"
+    path.write_text("class Edited:\n    x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "edited_model", None)
+    monkeypatch.delitem(sys.modules, "edited_model")  # removed again at teardown
+    import edited_model
+
+    first = fingerprint._source_digest([edited_model.Edited])
+    assert fingerprint._source_digest([edited_model.Edited]) == first
+    path.write_text("class Edited:\n    x = 22\n")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert fingerprint._source_digest([edited_model.Edited]) != first
+
+
 def test_policy_identity_tracks_source():
     def pol(graph, cfg):
         return graph
