@@ -1,0 +1,139 @@
+"""How the profiler measures an op: untimed first calls, a statistic that drops slow
+calls, subnormal floats flushed while measuring, made-up weights at their fan-in's
+scale."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from nnscaler_policy_autodist import profile
+from nnscaler_policy_autodist.profile import (
+    ProfileJob,
+    TensorSpec,
+    flushes_denormals,
+    flushing_denormals,
+    run_job,
+    typical,
+)
+
+import nnscaler.extend
+
+
+class SlowCalls:
+    """An op whose calls numbered in ``slow`` (from 0) sleep ``pause`` seconds first; the
+    others double their input. Notes whether subnormals were flushed in each call."""
+
+    name = "test.slow_calls"
+
+    def __init__(self, slow: set[int], pause: float = 0.2) -> None:
+        self.slow = slow
+        self.pause = pause
+        self.calls = 0
+        self.flushed: list[bool] = []
+
+    def call(self, args, kwargs):
+        if self.calls in self.slow:
+            time.sleep(self.pause)
+        self.calls += 1
+        self.flushed.append(flushes_denormals())
+        return args[0] * 2
+
+
+@pytest.fixture
+def slow_op(monkeypatch):
+    def install(slow: set[int]) -> SlowCalls:
+        op = SlowCalls(slow)
+        ops = SimpleNamespace(get=lambda name: op)
+        monkeypatch.setattr(nnscaler.extend, "get_plugin_manager",
+                            lambda: SimpleNamespace(ops=ops))
+        return op
+
+    return install
+
+
+def _job() -> ProfileJob:
+    return ProfileJob(op=SlowCalls.name, args=[TensorSpec((4, 4), torch.float32)], kwargs={},
+                      grads=True)
+
+
+def test_a_slow_first_call_is_not_timed(slow_op):
+    op = slow_op({0, 1, 2})  # lazy set-up over the first three calls
+    fw, bw = run_job(_job())
+    assert op.calls >= 2 + profile.MIN_SAMPLES
+    assert fw + bw < 0.02  # not the 0.2 s of the first calls
+
+
+def test_a_slow_call_among_the_samples_is_dropped(slow_op):
+    op = slow_op({0, profile.WARMUP_CALLS + 2})  # the first call, and a page fault later
+    fw, bw = run_job(_job())
+    assert op.calls > profile.WARMUP_CALLS + 2
+    assert fw + bw < 0.02
+
+
+def test_typical_is_the_mean_without_the_slowest_quarter():
+    assert typical([(1.0, 2.0)] * 6 + [(50.0, 0.0)]) == (1.0, 2.0)
+    many = [(1.0, 1.0)] * 15 + [(9.0, 9.0)] * 5  # a fifth of the calls slowed
+    assert typical(many) == (1.0, 1.0)
+    assert typical([(1.0, 0.0), (3.0, 0.0)]) == (1.0, 0.0)
+    assert typical([(2.0, 1.0)]) == (2.0, 1.0)
+    # the mean of what is kept: a core shared with another rank shows in it
+    assert typical([(1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (10.0, 0.0)]) == (2.0, 0.0)
+
+
+def test_ops_are_timed_with_subnormals_flushed_and_the_setting_restored(slow_op):
+    op = slow_op(set())
+    before = flushes_denormals()
+    run_job(_job())
+    assert op.flushed and all(op.flushed)
+    assert flushes_denormals() == before
+
+
+def test_flushing_restores_a_flush_the_caller_had_set():
+    torch.set_flush_denormal(True)
+    try:
+        with flushing_denormals():
+            assert flushes_denormals()
+        assert flushes_denormals()
+    finally:
+        torch.set_flush_denormal(False)
+    with flushing_denormals():
+        assert flushes_denormals()
+    assert not flushes_denormals()
+
+
+def test_the_calibration_run_flushes_subnormals(monkeypatch):
+    from torch import nn
+
+    from nnscaler.graph import IRGraph
+    from nnscaler.trace import trace
+
+    seen: list[bool] = []
+    real = nnscaler.extend.run_ops
+
+    def recording(*args, **kwargs):
+        seen.append(flushes_denormals())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nnscaler.extend, "run_ops", recording)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    g = IRGraph.from_graph(trace(model, {"input": torch.randn(4, 8)}))
+    step, opt = profile._run_model(g.nodes(), g.output_tensors(), 1 << 30)
+    assert step > 0 and opt > 0
+    assert seen and all(seen)
+    assert not flushes_denormals()
+
+
+def test_made_up_weights_have_their_fan_in_scale():
+    torch.manual_seed(0)
+    w = profile._make(TensorSpec((256, 1024), torch.float32), torch.device("cpu"), True,
+                      weight=True)
+    assert w.requires_grad
+    assert w.std().item() == pytest.approx(1024 ** -0.5, rel=0.05)
+    x = profile._make(TensorSpec((256, 1024), torch.float32), torch.device("cpu"), False)
+    assert x.std().item() == pytest.approx(1.0, rel=0.05)  # an input keeps unit scale
+    norm = profile._make(TensorSpec((1024,), torch.float32), torch.device("cpu"), True,
+                         weight=True)
+    assert norm.std().item() == pytest.approx(1.0, rel=0.1)  # a vector is not a fan-in
