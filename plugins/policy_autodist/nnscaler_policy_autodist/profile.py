@@ -2,7 +2,11 @@
 
 For an op split by a transform (or whole), `ComputeProfiler` runs one part,
 forward then backward, on tensors of the part's shapes (random floats, zeros for
-integers, ``True`` for masks), a few times, and keeps the mean without the slowest call.
+integers, ``True`` for masks): two untimed calls, then at least five timed ones, and
+keeps their mean without the slowest quarter (`take_samples`, `typical`), subnormal
+floats flushed (`flushing_denormals`). On a CPU running one thread per process the
+times are CPU time, so another process taking the core is not counted
+(`op_clock`); the ranks that share a core in training are (`core_share`).
 The cache is a JSON file per device under the profile directory, keyed by op name,
 shapes, dtypes, keyword arguments, the split and its number of parts: a second compile
 profiles nothing.
@@ -58,6 +62,10 @@ __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "Tenso
            "analytic_time", "core_share", "device_key", "measure_adam", "run_job"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
+
+#: How op times are measured, in the cache's file name: a profile measured another way is
+#: not read (2: CPU time on a one-thread CPU, two untimed calls, the slowest quarter dropped).
+PROFILE_METHOD = 2
 
 #: The most bytes of tensors one profiled call may hold (inputs and outputs).
 MAX_PROFILE_BYTES = 64 * 1024 * 1024
@@ -192,7 +200,7 @@ class ComputeProfiler(JsonCache):
         self.spec = spec
         self.measure = measure
         self.max_bytes = max_bytes
-        self.key = device_key() if measure else f"analytic-{spec.name}"
+        self.key = f"{device_key()}-m{PROFILE_METHOD}" if measure else f"analytic-{spec.name}"
         self._read_table(Path(profile_dir) / f"compute-{self.key}.json", measure,
                          "profile cache")
         self.profiled = 0  # calls measured by this profiler (not from the cache)
@@ -203,6 +211,9 @@ class ComputeProfiler(JsonCache):
         #: tensors of the program that may not be contiguous (`note_program`): a
         #: reshape of one copies it
         self.strided: frozenset = frozenset()
+        #: what the measured times are multiplied by: the processes per core
+        #: (`core_share`) where they are CPU time, which does not count sharing (`op_clock`)
+        self.clock_share = core_share() if measure and on_cpu_clock() else 1.0
 
     def note_program(self, ops: Sequence[Op]) -> None:
         """Read ``ops`` (the whole program, in order) for what the analytic estimate
@@ -215,7 +226,8 @@ class ComputeProfiler(JsonCache):
         parts (``t=None``: the whole op, as every replica runs it), in a step of the
         calibrated model (`calibrate`)."""
         fw, bw = self._raw(op, t, num)
-        return fw * self.factors[0], bw * self.factors[0]
+        scale = self.factors[0] * self.clock_share
+        return fw * scale, bw * scale
 
     def _raw(self, op: Op, t: Transform | None, num: int) -> tuple[float, float]:
         memo = (id(op), t, num)
@@ -223,17 +235,21 @@ class ComputeProfiler(JsonCache):
             self._memo[memo] = self._time(op, t, num if t is not None else 1)
         return self._memo[memo]
 
+    # long: the method in the docstring; the code measures once and records the factors
     def calibrate(self, ops: Sequence[Op], outputs: Sequence[Any],
                   max_bytes: int = MAX_CALIBRATION_BYTES) -> tuple[float, float]:
         """Measure the whole model once and scale the op times to it.
 
         An op timed alone runs with its inputs and weights hot in the caches; in a step
         they were written, or last read, many ops ago. On this project's 2-core machine
-        the GPT of the benchmarks steps 1.3x slower than its ops timed alone add up to,
-        and the ratio differs with the model's sizes. So the ops of the unsplit model run
-        here once in program order on made-up values (forward, then backward from
+        the GPT of the benchmarks steps 1.1-1.3x slower than its ops timed alone add up
+        to, and the ratio differs with the model's sizes. So the ops of the unsplit model
+        run here in program order on made-up values (forward, then backward from
         ``outputs``; then Adam's step over its weights), and ``factors`` become the
         measured times over the sums of the profiled parts and of `optimizer_time`.
+        The model's distinct ops are timed alone again between its runs (`_run_model`),
+        and the factor divides by those times: both sides of the ratio then see the
+        same load on the machine, wherever its profile was taken earlier.
         Inside a distributed ``parallelize`` the other ranks keep their cores busy
         meanwhile, as in training. The factors are cached per model, with the profile.
         A model larger than ``max_bytes``, one whose ops reject made-up values, and a
@@ -249,6 +265,8 @@ class ComputeProfiler(JsonCache):
         if key not in self._table:
             parts = sum(fw + (bw if _grads(op) else 0.0)
                         for op in ops for fw, bw in [self._raw(op, None, 1)])
+            jobs = {found[0]: found[1] for op in ops
+                    for found in [self._job(op, None, 1)] if found is not None}
             weights = {x.full for op in ops for x in op.input_tensors()
                        if x.full.is_leaf and x.full.requires_grad
                        and x.full.kind is not TensorKind.INPUT}
@@ -259,25 +277,40 @@ class ComputeProfiler(JsonCache):
 
             got = _too_large(ops, max_bytes)
             if got is None:  # else nothing to run, on any rank
-                _HERE["job"] = (ops, outputs, max_bytes)
+                _HERE["job"] = (ops, outputs, max_bytes, 3, tuple(jobs.values()))
+                retiming = sum(_job_seconds(sum(self._table[k])) for k in jobs)
                 try:
-                    got = call_on_every_rank(_calibration_share, 2 * 4 * (parts + opt))[0]
+                    got = call_on_every_rank(_calibration_share,
+                                             2 * (4 * (parts + opt) + 3 * retiming))[0]
                 finally:
                     _HERE.pop("job", None)
             if isinstance(got, str):
                 logger.info("autodist: op times not calibrated on the whole model (%s)", got)
                 factors = [1.0, 1.0]
             else:
-                factors = [got[0] / parts if parts > 0 else 1.0,
+                alone = self._alone(ops, dict(zip(jobs, got[2])))
+                factors = [got[0] / alone if alone > 0 else 1.0,
                            got[1] / opt if opt > 0 and got[1] > 0 else 1.0]
-                logger.info("autodist: a step of the model takes %.3g s (its ops timed alone: "
-                            "%.3g s) and Adam's %.3g s (estimated %.3g s): op times scaled "
-                            "by %.2f, the optimizer's by %.2f", got[0], parts, got[1], opt,
-                            *factors)
+                logger.info("autodist: a step of the model takes %.3g s (its ops timed alone "
+                            "meanwhile: %.3g s, in the profile: %.3g s) and Adam's %.3g s "
+                            "(estimated %.3g s): op times scaled by %.2f, the optimizer's "
+                            "by %.2f", got[0], alone, parts, got[1], opt, *factors)
             self._table[key] = factors
             self._dirty = True
         self.factors = (float(self._table[key][0]), float(self._table[key][1]))
         return self.factors
+
+    def _alone(self, ops: Sequence[Op], timed: dict[str, tuple[float, float] | str]) -> float:
+        """The seconds of ``ops`` timed alone, each op by its time in ``timed`` (by cache
+        key, times its work ratio) where that has one, else by its profile."""
+        total = 0.0
+        for op in ops:
+            found = self._job(op, None, 1)
+            got = timed.get(found[0]) if found is not None else None
+            fw, bw = ((got[0] * found[2], got[1] * found[2]) if isinstance(got, tuple)
+                      else self._raw(op, None, 1))
+            total += fw + (bw if _grads(op) else 0.0)
+        return total
 
     def optimizer_time(self, nbytes: float, opt_state: float = 2.0) -> float:
         """Seconds of the optimizer's step over one parameter of ``nbytes`` on a device
@@ -285,7 +318,7 @@ class ComputeProfiler(JsonCache):
         ``torch.optim.Adam`` on one large parameter and on many small ones, giving a cost
         per parameter and per byte (scaled to ``opt_state`` states); for a named device,
         memory bound: ``3 + 2 * opt_state`` passes over the bytes."""
-        return self._optimizer_raw(nbytes, opt_state) * self.factors[1]
+        return self._optimizer_raw(nbytes, opt_state) * self.factors[1] * self.clock_share
 
     def _optimizer_raw(self, nbytes: float, opt_state: float = 2.0) -> float:
         passes = 3 + 2 * opt_state
@@ -433,7 +466,7 @@ class ComputeProfiler(JsonCache):
                     and not op.opdef.collective:
                 # a part that cannot run alone (its parts talk to each other) or cannot
                 # be shrunk to fit: the whole op's share
-                fw, bw = self.time(op, None, 1)
+                fw, bw = self._raw(op, None, 1)
                 return fw / num, bw / num
             return analytic_time(op, self.spec, num, self.strided)
         key, job, scale = found
@@ -594,10 +627,39 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
     """Run ``job`` on this rank's device: the (forward, backward) seconds of a few
     calls after a warm-up (`take_samples`, `typical`), subnormal floats flushed
     (`flushing_denormals`); or the error's text when the op rejects made-up values."""
+    return _time_job(job)
+
+
+def op_clock(device: torch.device) -> Callable[[], float]:
+    """The clock op times are read from: on a CPU that runs one thread per process, this
+    thread's CPU time; else (CUDA, several threads) wall time.
+
+    On a CPU shared with other work, wall time counts what the other processes take from
+    the op: under a load of 5-12 on this project's 2 cores, 4-layer GPT ops timed alone
+    added up to 0.11-0.54 s from one minute to the next, and a profile measured so
+    stays in the cache. An op's CPU time is what it costs with the core to itself; the
+    ranks sharing cores in training are counted by `core_share`
+    (`ComputeProfiler.time`)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def on_cpu_clock() -> bool:
+    """Whether this process's op times are read from its CPU time (`op_clock`)."""
+    from nnscaler.extend import device_type
+
+    return device_type() != "cuda" and torch.get_num_threads() == 1
+
+
+def _time_job(job: ProfileJob) -> tuple[float, float] | str:
+    """`run_job`'s measurement, read from `op_clock` (what the calibration calls, on rank
+    0 only: it compares the model's run with it on the same clock)."""
     from nnscaler.extend import current_device, device_type, get_plugin_manager
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
+    clock = op_clock(device)
     grads = job.grads
     try:
         opdef = get_plugin_manager().ops.get(job.op)
@@ -616,11 +678,11 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
         def once() -> tuple[float, float]:
             if cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             out = opdef.call(args, kw)
             if cuda:
                 torch.cuda.synchronize()
-            t1 = time.perf_counter()
+            t1 = clock()
             outs = [o for o in pytree.tree_leaves(out)
                     if isinstance(o, torch.Tensor) and o.requires_grad]
             if not (grads and outs and leaves):
@@ -630,7 +692,7 @@ def run_job(job: ProfileJob) -> tuple[float, float] | str:
                 torch.cuda.synchronize()
             for x in leaves:
                 x.grad = None
-            return t1 - t0, time.perf_counter() - t1
+            return t1 - t0, clock() - t1
 
         with flushing_denormals(), torch.no_grad() if not grads else torch.enable_grad():
             samples = take_samples(once)
@@ -676,12 +738,19 @@ def typical(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 #: How `ComputeProfiler.calibrate` measures; factors cached another way are not used.
-CALIBRATION_METHOD = 4  # 4: subnormals flushed, weights at their fan-in's scale
+#: 4: subnormals flushed, weights at their fan-in's scale; 5: the ops re-timed alone in
+#: the same window
+CALIBRATION_METHOD = 5
 
 _HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
 
 
-def _calibration_share(seconds: float) -> tuple[float, float] | str | None:
+def _job_seconds(call: float) -> float:
+    """About how long `take_samples` takes over an op whose call takes ``call`` seconds."""
+    return WARMUP_CALLS * call + max(MIN_SAMPLES * call, min(MAX_SAMPLES * call, SAMPLE_SECONDS))
+
+
+def _calibration_share(seconds: float) -> tuple[float, float, list] | str | None:
     """Rank 0 runs the model it calibrates (`_run_model`); every other rank keeps
     its core busy with matmuls for about ``seconds``, as it would in training."""
     job = _HERE.pop("job", None)
@@ -709,17 +778,22 @@ def _too_large(ops: Sequence[Op], max_bytes: int) -> str | None:
 
 
 def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
-               repeat: int = 3) -> tuple[float, float] | str:
-    """(seconds of forward and backward, seconds of Adam's step) of running ``ops`` in
-    order on made-up leaves (random floats, weights scaled by their fan-in, zeros for
-    integers, ``True`` for masks; subnormal results flushed, `flushing_denormals`), each
-    the median of ``repeat`` runs after a warm-up; or why it cannot run."""
+               repeat: int = 3, alone: Sequence[ProfileJob] = ()
+               ) -> tuple[float, float, list[tuple[float, float] | str]] | str:
+    """(seconds of forward and backward, seconds of Adam's step, the times of ``alone``)
+    of running ``ops`` in order on made-up leaves (random floats, weights scaled by their
+    fan-in, zeros for integers, ``True`` for masks; subnormal results flushed,
+    `flushing_denormals`), each the median of ``repeat`` runs after a warm-up; or why it
+    cannot run. The jobs of ``alone`` (the model's ops, to be timed alone in the same
+    window) are timed after each run, each its median over the runs (`_time_job`; the
+    error's text where one fails)."""
     import statistics
 
     from nnscaler.extend import FullTensor, current_device, device_type, release_schedule, run_ops
 
     device = current_device() if device_type() == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
+    clock = op_clock(device)
     too_large = _too_large(ops, max_bytes)
     if too_large is not None:
         return too_large
@@ -747,23 +821,36 @@ def _run_model(ops: Sequence[Op], outputs: Sequence[Any], max_bytes: int,
         for v in leaves.values():
             v.grad = None  # as an optimizer's zero_grad leaves them: fresh each step
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         run_ops(ops, env, device, release=release)  # intermediates freed as generated code does
         outs = [env[f] for f in ends if isinstance(env.get(f), torch.Tensor)
                 and env[f].requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     try:
         with flushing_denormals(), torch.enable_grad():
             once()
-            step = statistics.median(once() for _ in range(repeat))
+            steps, rounds = [], []
+            for _ in range(repeat):  # the ops alone after each run: under the same load
+                steps.append(once())
+                rounds.append([_time_job(job) for job in alone])
             opt_time = _adam_seconds(weights, repeat) if weights else 0.0
     except Exception as e:  # noqa: BLE001 - made-up values an op rejects
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return step, opt_time
+    return statistics.median(steps), opt_time, [_median_pair(r) for r in zip(*rounds)]
+
+
+def _median_pair(times: Sequence[tuple[float, float] | str]) -> tuple[float, float] | str:
+    """The median forward and backward of ``times``, or the first error among them."""
+    import statistics
+
+    errors = [x for x in times if isinstance(x, str)]
+    if errors:
+        return errors[0]
+    return (statistics.median(x[0] for x in times), statistics.median(x[1] for x in times))
 
 
 def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
@@ -772,6 +859,7 @@ def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
     import statistics
 
     cuda = params[0].device.type == "cuda"
+    clock = op_clock(params[0].device)
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.Adam(params, lr=1e-6)
@@ -780,11 +868,11 @@ def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
     for _ in range(steps):
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.step()
         if cuda:
             torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t0)
+        samples.append(clock() - t0)
     return statistics.median(samples)
 
 

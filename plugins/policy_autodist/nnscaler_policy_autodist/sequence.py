@@ -271,7 +271,7 @@ class PartTimes(JsonCache):
                 self._store(key, time_part(job))
             fw, bw = self._table[key]
             if fw >= 0:
-                scale = self.profiler.factors[0]
+                scale = self.profiler.factors[0] * self.profiler.clock_share
                 return fw * scale, bw * scale
         fw, bw = self.profiler.time(op, None, 1)
         share = 1.0 / k

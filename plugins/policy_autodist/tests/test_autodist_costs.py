@@ -275,7 +275,7 @@ def test_calibration_scales_op_and_optimizer_times_to_a_measured_step(tmp_path, 
     raw = [prof.time(op, None, 1) for op in ops]
     parts = sum(fw + bw for fw, bw in raw)
     opt_raw = sum(prof.optimizer_time(p.numel * 4) for p in g.parameters())
-    monkeypatch.setattr(profile, "_run_model", lambda *a, **k: (3 * parts, 0.5 * opt_raw))
+    monkeypatch.setattr(profile, "_run_model", lambda *a, **k: (3 * parts, 0.5 * opt_raw, []))
     assert prof.calibrate(ops, g.output_tensors()) == pytest.approx((3.0, 0.5))
     scaled = [x for op in ops for x in prof.time(op, None, 1)]
     assert scaled == pytest.approx([3 * x for pair in raw for x in pair])
@@ -292,8 +292,8 @@ def test_calibration_runs_the_model_on_made_up_values(tmp_path):
     from nnscaler_policy_autodist.profile import _run_model
 
     g = _mlp_graph()
-    step, opt = _run_model(g.nodes(), g.output_tensors(), 1 << 30)
-    assert step > 0 and opt > 0
+    step, opt, alone = _run_model(g.nodes(), g.output_tensors(), 1 << 30)
+    assert step > 0 and opt > 0 and alone == []
     # a model that does not fit the allowance is not run, and keeps its parts' times
     why = _run_model(g.nodes(), g.output_tensors(), 1024)
     assert isinstance(why, str) and "MiB" in why
