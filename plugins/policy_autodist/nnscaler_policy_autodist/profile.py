@@ -59,7 +59,8 @@ from nnscaler_policy_autodist.experts import FFN_PARALLEL, MOE_EXPERTS, expert_p
 from nnscaler_policy_autodist.twoaxis import part_call
 
 __all__ = ["ComputeProfiler", "PartCall", "ProfileJob", "RecordingGroup", "TensorSpec",
-           "analytic_time", "core_share", "device_key", "measure_adam", "run_job"]
+           "analytic_time", "core_share", "device_key", "flushing_denormals", "measure_adam",
+           "op_clock", "run_job", "take_samples", "typical"]
 
 logger = logging.getLogger("nnscaler.autodist.profile")  # under nnscaler's loggers
 
