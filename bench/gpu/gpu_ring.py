@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from gpu_common import Context, Result
 
 PARTS, HEADS, KV_HEADS, DIM = 4, 8, 2, 128
@@ -62,9 +61,10 @@ def ring_flash(ctx: Context) -> list[Result]:
     if not ctx.cuda or importlib.util.find_spec("flash_attn") is None:
         return [Result("SKIP", "ring-flash", "needs flash_attn and CUDA (pip install "
                        "'./plugins/ops_flash_attn[cuda]')")]
-    from nnscaler_ops_flash_attn.ring import FlashBlockKernel
-    from nnscaler.ops.builtin.attention_kernels import MATH
     from flash_attn import flash_attn_func
+    from nnscaler_ops_flash_attn.ring import FlashBlockKernel
+
+    from nnscaler.ops.builtin.attention_kernels import MATH
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -14,13 +14,13 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from nnscaler_ops_flash_attn import kernels
+from nnscaler_ops_flash_attn.ring import FlashBlockKernel
 
 from nnscaler.ops.builtin.attention_kernels import MATH, Packed, select_kernel
 from nnscaler.ops.builtin.context_parallel import ring_backward, ring_forward, ring_steps, to_zigzag
 from nnscaler.ops.partgroup import run_parts
 from nnscaler.testing import run_distributed
-from nnscaler_ops_flash_attn import kernels
-from nnscaler_ops_flash_attn.ring import FlashBlockKernel
 
 CPU_KERNEL = dict(devices=("cpu",), dtypes=(torch.float32,))
 V26 = ("window_size", "softcap", "alibi_slopes")

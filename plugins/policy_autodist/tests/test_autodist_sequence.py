@@ -261,7 +261,7 @@ def _ring_extra(rank, world, cases):
                                    requires_grad=True) for h in (hq, hk, hk))
             dout = torch.randn(1, hq, RING_CHUNK, RING_DIM, generator=g)
 
-            def step():
+            def step(q=q, k=k, v=v, dout=dout, hq=hq, hk=hk, strategy=strategy, group=group):
                 out = context_parallel_attention(q, k, v, is_causal=True,
                                                  enable_gqa=hq != hk,
                                                  strategy=strategy, group=group)
@@ -290,7 +290,7 @@ def _kept(rank, world):
                    for _ in range(3))
         outs: list = []
 
-        def forward():
+        def forward(q=q, k=k, v=v, outs=outs, strategy=strategy):
             outs.append(context_parallel_attention(q, k, v, is_causal=True,
                                                    strategy=strategy, group=group))
 
