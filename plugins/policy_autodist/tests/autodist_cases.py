@@ -130,3 +130,20 @@ def train(rank: int, world: int, kind: str, plan_ngpus: int | str, pas_config: d
                                    atol=1e-6, msg=lambda m, n=meta.orig_name: f"{n}: {m}")
         checked += 1
     return {"checked": checked, "plan_ngpus": plan_ngpus}
+
+
+class TinyExperts(nn.Module):
+    """Four experts, top-2 routing, 16 features: the smallest layer whose expert split
+    autodist prices (its dispatch and combine all-to-alls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(4, 48, 16))
+        self.down = nn.Parameter(torch.randn(4, 16, 24))
+
+    def forward(self, x):
+        from nnscaler.ops.builtin.moe import moe_experts
+
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        return moe_experts(x, index, weights, self.gate_up, self.down).sum()

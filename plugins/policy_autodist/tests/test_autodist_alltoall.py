@@ -10,6 +10,7 @@ import json
 import attrs
 import pytest
 import torch
+from autodist_cases import TinyExperts
 from hypothesis import given
 from hypothesis import strategies as st
 from nnscaler_policy_autodist import DEVICE_SPECS
@@ -24,10 +25,9 @@ from nnscaler_policy_autodist.comm import (
 )
 from nnscaler_policy_autodist.experts import MOE_EXPERTS, expert_part, expert_split
 from nnscaler_policy_autodist.profile import VALUE_MAKERS, ComputeProfiler
-from torch import nn
 
 from nnscaler.graph import IRGraph
-from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, FFN_PARALLEL, moe_experts
+from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, FFN_PARALLEL
 from nnscaler.trace import trace
 
 SPECS = [DEVICE_SPECS[name] for name in ("H100", "A100", "cpu")]
@@ -121,20 +121,8 @@ def test_the_alltoall_is_measured_through_the_runtime_and_cached(tmp_path):
     assert len(A2A_SIZES) >= 4  # the default measures a range of sizes
 
 
-class Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(16, 4, bias=False)
-        self.gate_up = nn.Parameter(torch.randn(4, 48, 16))
-        self.down = nn.Parameter(torch.randn(4, 16, 24))
-
-    def forward(self, x):
-        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
-        return moe_experts(x, index, weights, self.gate_up, self.down).sum()
-
-
 def _moe_op():
-    graph = IRGraph.from_graph(trace(Experts(), {"x": torch.randn(8, 16)}))
+    graph = IRGraph.from_graph(trace(TinyExperts(), {"x": torch.randn(8, 16)}))
     return next(o for o in graph.ops if o.name.endswith("moe_experts"))
 
 

@@ -360,22 +360,12 @@ def test_the_expert_parallel_split_pays_its_token_exchanges(tmp_path):
     both ways (all_to_all, forward and backward); autodist records them on meta tensors
     with an even routing and charges each exchange as an all-to-all of its bytes
     (`DeviceSpec.alltoall_time`), times ``expert_imbalance``."""
+    from autodist_cases import TinyExperts
     from nnscaler_policy_autodist.model import CostModel
 
-    from nnscaler.ops.builtin.moe import EXPERT_PARALLEL, moe_experts
+    from nnscaler.ops.builtin.moe import EXPERT_PARALLEL
 
-    class Experts(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.router = nn.Linear(16, 4, bias=False)
-            self.gate_up = nn.Parameter(torch.randn(4, 48, 16))
-            self.down = nn.Parameter(torch.randn(4, 16, 24))
-
-        def forward(self, x):
-            weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
-            return moe_experts(x, index, weights, self.gate_up, self.down).sum()
-
-    graph = IRGraph.from_graph(trace(Experts(), {"x": torch.randn(8, 16)}))
+    graph = IRGraph.from_graph(trace(TinyExperts(), {"x": torch.randn(8, 16)}))
     op = next(o for o in graph.ops if o.name.endswith("moe_experts"))
     comm = CommModel(DEVICE_SPECS["cpu"])
     profiler = ComputeProfiler(DEVICE_SPECS["cpu"], tmp_path, measure=False)
