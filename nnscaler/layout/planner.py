@@ -96,6 +96,7 @@ class _Registry:
     """A snapshot of the registered primitives, indexed for the search."""
 
     def __init__(self, items: tuple[tuple[str, Primitive], ...]) -> None:
+        self.items = items
         self.by_name = dict(items)
         self.by_transition: dict[str, list[Primitive]] = defaultdict(list)
         for name, prim in items:
@@ -194,6 +195,13 @@ def _dijkstra(
                 via[nxt] = (node, edge)
                 heapq.heappush(heap, (_key(*cand), next(tie), nxt))
     return dist, via
+
+
+@functools.lru_cache(maxsize=4096)
+def _paths(start: Counts, shape: tuple[int, ...], forward: bool, items: tuple) -> tuple:
+    """`_dijkstra` from ``start`` forward (or backward): of counts, shape, primitives only."""
+    step, prims = (_edges_from if forward else _edges_into), _Registry(items)
+    return _dijkstra(start, lambda c: step(c, shape, prims))
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,38 +386,37 @@ def _numel(box: Box) -> int:
 def _reshard_bridge(p: Layout, q: Layout, move: Primitive, prims: _Registry) -> Step:
     """Any ``p`` to any ``q``: every device of ``q`` that owes its value (part 0 when ``q``
     has value parts) receives, from one replica of ``p``, every overlapping box of every
-    part and sums them; other parts of ``q`` start at zero."""
-    src, dst = p.devices, q.devices
-    spos = {dev: i for i, dev in enumerate(src)}
-    size = p.piece_shape
-    load: dict[int, int] = defaultdict(int)
-    transfers: list[tuple[int, Box, int, Box]] = []
+    part and sums them; other parts of ``q`` start at zero. The replica: the fewest
+    elements from others, the least load on the busiest sender, the first from ``j``."""
+    src, dst, size, stride = p.devices, q.devices, p.piece_shape, p.ndevices // p.r
+    spos = {dev: i for i, dev in enumerate(src)}  # replica r: positions r * stride + ...
+    load, transfers = defaultdict(int), []  # elements each device sent; the transfers
     for j, dev in enumerate(dst):
         if q.coords(dev)[1] != 0 or 0 in size:
             continue
         want = q.box(dev)
-        # the chunks of p that overlap ``want``, per dim (p's chunks form a regular grid)
-        chunks = list(
-            itertools.product(*(range(a // n, -(-b // n)) for (a, b), n in zip(want, size)))
-        )
+        chunks = itertools.product(*(range(a // n, -(-b // n)) for (a, b), n in zip(want, size)))
+        pieces = []  # (position in a replica, box, overlap, elements): alike in replicas
+        for v, chunk in itertools.product(range(p.v), list(chunks)):
+            box = tuple((c * n, (c + 1) * n) for c, n in zip(chunk, size))
+            if (ov := _overlap(box, want)) is not None:
+                pieces.append((ravel((v, *chunk), p.counts[1:]), box, ov, _numel(ov)))
+        # a replica without ``dev`` sends all, its busiest sender at least the largest piece
+        floor = (sum(x[3] for x in pieces), max((x[3] for x in pieces), default=0))
+        own = [spos[dev] // stride] if dev in spos else []
         best = None
-        for r in range(p.r):
-            parts = []
-            for v, chunk in itertools.product(range(p.v), chunks):
-                s = p.devices[ravel((r, v, *chunk), p.counts)]
-                box = tuple((c * n, (c + 1) * n) for c, n in zip(chunk, size))
-                ov = _overlap(box, want)
-                if ov is not None:
-                    parts.append((s, box, ov))
-            remote = sum(_numel(ov) for s, _, ov in parts if s != dev)
-            peak = max((load[s] + _numel(ov) for s, _, ov in parts if s != dev), default=0)
-            key = (remote, peak, (r - j) % p.r)
+        for r in own + [(j + t) % p.r for t in range(p.r) if [(j + t) % p.r] != own]:
+            if best is not None and r not in own and best[0] < (*floor, (r - j) % p.r):
+                break
+            senders = [src[r * stride + x[0]] for x in pieces]
+            sent = [(s, x[3]) for s, x in zip(senders, pieces) if s != dev]
+            key = (sum(n for _, n in sent), max((load[s] + n for s, n in sent), default=0),
+                   (r - j) % p.r)
             if best is None or key < best[0]:
-                best = (key, parts)
-        for s, box, ov in best[1] if best else ():
+                best = (key, senders)
+        for s, (_, box, ov, n) in zip(best[1] if best else (), pieces):
             transfers.append((spos[s], _local(ov, box), j, _local(ov, want)))
-            if s != dev:
-                load[s] += _numel(ov)
+            load[s] += n if s != dev else 0
     return _move_step(prims, move, src, dst, transfers, p, q)
 
 
@@ -449,8 +456,8 @@ class _Candidate:
 
 def _search(src: Layout, dst: Layout, prims: _Registry) -> Plan:
     shape = src.shape
-    fdist, fvia = _dijkstra(src.counts, lambda c: _edges_from(c, shape, prims))
-    bdist, bvia = _dijkstra(dst.counts, lambda c: _edges_into(c, shape, prims))
+    fdist, fvia = _paths(src.counts, shape, True, prims.items)
+    bdist, bvia = _paths(dst.counts, shape, False, prims.items)
     same_set = set(src.devices) == set(dst.devices)
     fresh = bool(set(dst.devices) - set(src.devices))  # some device must receive data
     moves = prims.by_transition.get("move", [])

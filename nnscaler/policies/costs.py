@@ -314,19 +314,34 @@ Reads = tuple[tuple[FullTensor, Layout | None, bool], ...]
 Writes = tuple[tuple[FullTensor, Layout | None], ...]
 
 
+def _parts(x: SubTensor, layout: Placement | None, num: int) -> tuple[SubTensor, ...]:
+    """`part_piece` of every part at once: ``x`` split once, not once per part."""
+    if isinstance(layout, Split):
+        return x.split(layout.dim, num)
+    if isinstance(layout, ValuePartial):
+        return x.value_split(num)
+    return (x,) * num
+
+
 def op_layouts(op: Op, t: Transform | None, num: int) -> tuple[Reads, Writes]:
     """The layouts ``op`` reads and writes when split by ``t`` in ``num`` parts (``None``:
     replicated): every input tensor with the layout its parts need, every output and every
-    tensor written in place (a new version of an input) with the layout its parts leave."""
-    parts = [transform_pieces(op, t, num, p) for p in range(num)]
+    tensor written in place (a new version of an input) with the layout its parts leave.
+    (The pieces of `transform_pieces` and `part_piece`, each tensor split once.)"""
+    columns: list[tuple[SubTensor, ...]] = []  # per input tensor, its piece in each part
+    for k, x in enumerate(op.inputs):
+        if isinstance(x, SubTensor):
+            columns.append((x,) * num if t is None else _parts(x, t.inputs[k], num))
+        else:
+            columns.extend((y,) * num for y in tensors_in(x))
+    columns.extend((y,) * num for y in tensors_in(dict(op.kwargs)))
     reads = tuple(
-        (x.full, layout_of((p, parts[p][j]) for p in range(num)),
-         x.full.requires_grad and not op.no_grad)
+        (x.full, layout_of(enumerate(columns[j])), x.full.requires_grad and not op.no_grad)
         for j, x in enumerate(op.input_tensors())
     )
     outs = list(tensors_in(op.outputs))
     placements = [None] * len(outs) if t is None else list(t.outputs)
-    writes = [(x.full, layout_of((p, part_piece(x, lay, num, p)) for p in range(num)))
+    writes = [(x.full, layout_of(enumerate(_parts(x, lay, num))))
               for x, lay in zip(outs, placements)]
     written = {w[0] for w in writes}
     positions = {x: k for k, x in enumerate(op.inputs) if isinstance(x, SubTensor)}
@@ -335,8 +350,7 @@ def op_layouts(op: Op, t: Transform | None, num: int) -> tuple[Reads, Writes]:
             continue
         k = positions.get(before)
         lay = None if t is None or k is None else t.inputs[k]
-        pieces = [(p, part_piece(before, lay, num, p)) for p in range(num)]
         writes.append((after.full, layout_of(
             (p, SubTensor(full=after.full, indmap=b.indmap, valmap=b.valmap))
-            for p, b in pieces)))
+            for p, b in enumerate(_parts(before, lay, num)))))
     return reads, tuple(writes)
