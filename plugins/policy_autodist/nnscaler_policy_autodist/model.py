@@ -75,7 +75,7 @@ from nnscaler_policy_autodist.sequence import (
 )
 from nnscaler_policy_autodist.twoaxis import TwoAxis, two_axis_transforms
 
-__all__ = ["CostModel", "Edge", "Option", "StageProblem"]
+__all__ = ["CostModel", "Edge", "Option", "SharedCosts", "StageProblem"]
 
 logger = logging.getLogger("nnscaler.autodist.model")  # under nnscaler's loggers
 
@@ -148,8 +148,27 @@ def _is_weight(full: FullTensor) -> bool:
     return full.is_leaf and full.kind is not TensorKind.INPUT
 
 
+class SharedCosts:
+    """What the cost models of one search share, whatever their unit size, ZeRO stage or
+    expert degree (the search builds a stage problem for every point of the mesh, and
+    points with stages of equal devices ask for the same pieces): what depends only on
+    an op, its split and the stage's devices (the layouts it reads and writes, its
+    two-axis splits), and what depends only on layouts (a move's seconds, an edge's
+    cost matrix). Every entry is what the model would compute again: sharing changes
+    no cost, only how often it is computed."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, tuple] = {}  # (op, transform, k) -> `op_layouts`
+        self.twoaxis: dict = {}  # `twoaxis.layouts`'s memo
+        self.two: dict[tuple[Op, int], list[TwoAxis]] = {}  # two-axis splits by (op, k)
+        self.moves: dict[tuple[Layout, Layout, int, bool], float] = {}
+        #: (elements, item size, the producer's layouts, the consumer's) -> cost matrix
+        self.edges: dict[tuple, tuple[tuple[float, ...], ...]] = {}
+
+
 class CostModel:
-    """Builds `StageProblem` s for the ops of stages of ``k`` devices."""
+    """Builds `StageProblem` s for the ops of stages of ``k`` devices. ``shared``: the
+    memo of the search's other models (`SharedCosts`; a fresh one if not given)."""
 
     def __init__(self, *, profiler: ComputeProfiler, comm: CommModel, units: int,
                  zero: bool, opt_state: float = 2.0, recompute: frozenset[int] = frozenset(),
@@ -157,7 +176,8 @@ class CostModel:
                  micro_batches: int = 1, share: float = 1.0,
                  overlap_grads: bool = False, unit: int | None = None,
                  zero_stage: int | None = None, parts: PartTimes | None = None,
-                 two_axis: bool = True, expert_imbalance: float = 1.0) -> None:
+                 two_axis: bool = True, expert_imbalance: float = 1.0,
+                 shared: SharedCosts | None = None) -> None:
         self.profiler = profiler
         #: the measured times of the sequence splits whose parts talk (`sequence`)
         self.parts = parts
@@ -179,14 +199,18 @@ class CostModel:
         self.overlap_grads = overlap_grads
         self.unit = unit  # devices of a scale unit (plan_ngpus), for the node layout
         self.two_axis = two_axis  # also data x tensor splits of an op (`twoaxis`)
-        self._two: dict[tuple[Op, int], list[TwoAxis]] = {}  # asked again for every stage
-        self._layouts: dict = {}  # of the two-axis options (`twoaxis.layouts`)
+        self.shared = shared or SharedCosts()
+        self._two = self.shared.two  # asked again for every stage
+        self._layouts = self.shared.twoaxis  # of the two-axis options (`twoaxis.layouts`)
+        #: options by build context and (op, transform, k): this model's and the copies
+        #: `experts.ExpertAxis.restrict` makes of it (they differ in their options only)
+        self._options: dict[tuple, dict[tuple, Option]] = {}
         #: the busiest device's token-expert pairs over the mean under an expert split
         #: (`nnscaler_policy_autodist.experts`): its exchanges and its experts' work scale
         self.expert_imbalance = expert_imbalance
         #: the expert degree this model is held to (`experts.ExpertAxis.restrict`)
         self.expert_degree: int | None = None
-        self._plans: dict[tuple[Layout, Layout, int, bool], float] = {}
+        self._plans = self.shared.moves
 
     # -- options ------------------------------------------------------------------------
     def transforms(self, op: Op, k: int) -> list[Transform | TwoAxis | None]:
@@ -231,8 +255,13 @@ class CostModel:
 
     def option(self, op: Op, t: Transform | None, k: int, first_reader: dict[FullTensor, Op],
                outputs: set[FullTensor], produced: set[FullTensor]) -> Option:
-        reads, writes = twoaxis.layouts(op, t, self._layouts) if isinstance(t, TwoAxis) \
-            else op_layouts(op, t, k)
+        if isinstance(t, TwoAxis):
+            reads, writes = twoaxis.layouts(op, t, self._layouts)
+        else:
+            key = (op, t, k)
+            if key not in self.shared.layouts:
+                self.shared.layouts[key] = op_layouts(op, t, k)
+            reads, writes = self.shared.layouts[key]
         got = self.parts.time(op, t, k) if self.parts is not None else None
         fw, bw = got if got is not None else self.profiler.time(op, t, k)
         fw, bw = imbalanced(op, t, fw, bw, self.expert_imbalance)
@@ -428,15 +457,19 @@ class CostModel:
                         rep[index[op]] = index[insts[1].ops[p]]
         options: list[tuple[Option, ...] | None] = [None] * len(ops)
         produced = set(producer)
+        # the same ops, outputs and first readers: the options of an earlier build hold
+        context = (tuple(ops), frozenset(graph_outputs), None if all_ops is None else tuple(all_ops))
+        known = self._options.setdefault(context, {})
         written: dict[FullTensor, set[Layout | None]] = {}  # by two-axis options
         for i, op in enumerate(ops):
             template = options[src[i]] if src[i] != i else None  # solved first: earlier
             if template is not None and self._same_weights_role(op, ops[src[i]], first_reader):
                 options[i] = self._retarget(template, op, k)
             else:
-                options[i] = tuple(self.option(op, t, k, first_reader, graph_outputs, produced)
-                                   for t in self.transforms(op, k)
-                                   if twoaxis.continues(op, t, written, self._layouts))
+                options[i] = tuple(
+                    self._known(known, op, t, k, first_reader, graph_outputs, produced)
+                    for t in self.transforms(op, k)
+                    if twoaxis.continues(op, t, written, self._layouts))
                 if rep[i] != i and len(options[i]) != len(options[rep[i]]):
                     rep[i] = i
             for o in options[i]:
@@ -475,6 +508,15 @@ class CostModel:
         return StageProblem(ops=tuple(ops), options=tuple(options), edges=tuple(edges),
                             rep=tuple(rep), k=k)
 
+    def _known(self, known: dict[tuple, Option], op: Op, t: Transform | TwoAxis | None, k: int,
+               first_reader: dict[FullTensor, Op], outputs: set[FullTensor],
+               produced: set[FullTensor]) -> Option:
+        """`option`, kept in ``known`` (the options of one build context)."""
+        key = (op, t, k)
+        if key not in known:
+            known[key] = self.option(op, t, k, first_reader, outputs, produced)
+        return known[key]
+
     @staticmethod
     def _out_pos(op: Op, full: FullTensor) -> int:
         for k, y in enumerate(op.output_tensors()):
@@ -506,16 +548,17 @@ class CostModel:
 
     def _edge(self, src: tuple[Option, ...], dst: tuple[Option, ...], full: FullTensor,
               pos: int, *, weight: bool) -> tuple[tuple[float, ...], ...]:
-        rows = []
+        helds = []
         for a in src:
             if weight:
                 have = next((lay for f, lay, _ in a.reads if f is full), None)
-                held = None if have is None else have.replicated()
+                helds.append(None if have is None else have.replicated())
             else:
-                held = next((lay for f, lay in a.writes if f is full), None)
-            row = []
-            for b in dst:
-                _, need, grad = b.reads[pos]
-                row.append(self.move(full, held, need, grad))
-            rows.append(tuple(row))
-        return tuple(rows)
+                helds.append(next((lay for f, lay in a.writes if f is full), None))
+        needs = tuple(b.reads[pos][1:] for b in dst)
+        # a move's cost reads the layouts and the tensor's size only
+        key = (full.numel, full.dtype.itemsize, tuple(helds), needs)
+        if key not in self.shared.edges:
+            self.shared.edges[key] = tuple(tuple(self.move(full, held, need, grad)
+                                                 for need, grad in needs) for held in helds)
+        return self.shared.edges[key]

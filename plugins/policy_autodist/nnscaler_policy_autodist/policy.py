@@ -55,7 +55,7 @@ from nnscaler_policy_autodist.mesh import (
     step_bound,
     unit_sizes,
 )
-from nnscaler_policy_autodist.model import CostModel, StageProblem
+from nnscaler_policy_autodist.model import CostModel, SharedCosts, StageProblem
 from nnscaler_policy_autodist.pipeline import (
     PipelinePlan,
     count_layers,
@@ -376,6 +376,7 @@ def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, A
     allowed = load_constraints(cfg.partition_constraints_path, g)
     nmicros = cfg.pipeline_nmicros or 1
     zero_stages = _zero_stages(config, cfg)
+    shared = SharedCosts()  # what every unit size, stage and expert degree computes alike
     by_stage = {z: {n: CostModel(profiler=profiler, comm=CommModel(spec), units=runtime // n,
                                  zero=z >= 1, zero_stage=z,
                                  recompute=recompute, allowed=allowed,
@@ -384,7 +385,8 @@ def _plan_graph(graph: Graph, compute_config: ComputeConfig) -> tuple[IRGraph, A
                                  micro_batches=nmicros * cfg.update_freq,
                                  share=core_share() if here else 1.0,
                                  overlap_grads=_reduces_in_backward(config, z), unit=n,
-                                 parts=parts, expert_imbalance=cfg.expert_imbalance)
+                                 parts=parts, expert_imbalance=cfg.expert_imbalance,
+                                 shared=shared)
                     for n in sizes} for z in zero_stages}
     models = by_stage[zero_stages[0]]  # the options, what is profiled, are the same
     limit = cfg.mem_constraint if cfg.mem_constraint is not None else spec.memory
