@@ -3,9 +3,13 @@ orders, uses primitives that plugins add, and explains what it cannot do."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from layout_strategies import layout_pairs
 
 import nnscaler
 from nnscaler.layout import Layout, LayoutError, execute, materialize, plan, primitives
@@ -185,3 +189,50 @@ def test_execute_checks_its_inputs(adapters):
     parts[2] = torch.zeros(3, 12)
     with pytest.raises(LayoutError, match=r"device 2 holds a tensor of shape \(3, 12\)"):
         execute(p, parts)
+
+
+def _reshard_by_trying_every_replica(p: Layout, q: Layout) -> list[tuple]:
+    """The reshard fallback's transfers, written plainly: for each receiving device, try
+    every replica of ``p`` and keep the least (elements from others, busiest sender's
+    load, replicas counted from the receiver's position)."""
+    load: dict[int, int] = {}
+    out = []
+    for j, dev in enumerate(q.devices):
+        if q.coords(dev)[1] != 0:
+            continue
+        want = q.box(dev)
+        best = None
+        for r in range(p.r):
+            parts = []
+            for pos, src in enumerate(p.devices):
+                c = p.coords(src)
+                box = p.box(src)
+                ov = tuple((max(a, x), min(b, y)) for (a, b), (x, y) in zip(box, want))
+                if c[0] == r and all(a < b for a, b in ov):
+                    parts.append((c[1:], pos, src, box, ov))
+            parts.sort()  # by value part, then chunk: the order the planner visits them
+            sizes = [(s, math.prod(b - a for a, b in ov)) for *_, s, _, ov in parts]
+            remote = sum(n for s, n in sizes if s != dev)
+            peak = max((load.get(s, 0) + n for s, n in sizes if s != dev), default=0)
+            key = (remote, peak, (r - j) % p.r)
+            if best is None or key < best[0]:
+                best = (key, parts, sizes)
+        for (_, pos, src, box, ov), (_, n) in zip(best[1], best[2]):
+            local = tuple((a - o, b - o) for (a, b), (o, _) in zip(ov, box))
+            out.append((pos, local, j, tuple((a - o, b - o) for (a, b), (o, _) in zip(ov, want))))
+            if src != dev:
+                load[src] = load.get(src, 0) + n
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout_pairs())
+def test_the_reshard_fallback_picks_the_replica_trying_every_one_would(adapters, pair):
+    """The fallback skips replicas that cannot beat the best found; its transfers are the
+    ones trying every replica gives."""
+    from nnscaler.layout.planner import _Registry, _reshard_bridge, _snapshot
+
+    src, dst = pair
+    prims = _Registry(_snapshot(adapters))
+    step = _reshard_bridge(src, dst, prims.by_transition["move"][0], prims)
+    assert list(dict(step.params)["transfers"]) == _reshard_by_trying_every_replica(src, dst)
