@@ -225,7 +225,7 @@ def _reshard_by_trying_every_replica(p: Layout, q: Layout) -> list[tuple]:
     return out
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(layout_pairs())
 def test_the_reshard_fallback_picks_the_replica_trying_every_one_would(adapters, pair):
     """The fallback skips replicas that cannot beat the best found; its transfers are the
