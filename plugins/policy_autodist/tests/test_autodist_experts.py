@@ -6,6 +6,7 @@ dense-ish model. Multi-process parity of a chosen expert-parallel plan is at the
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -323,6 +324,60 @@ def test_the_plan_file_records_the_expert_degree_and_replays(profile_dir, tmp_pa
                                              load_plan_path=str(path)))
     # the same splits (a replay indexes the op's every option, the search its degree's)
     assert splits(again) == splits(first)
+
+
+class _Forgetful(dict):
+    """A memo that never remembers: every lookup computes again."""
+
+    def __contains__(self, key):
+        return False
+
+    def setdefault(self, key, default=None):
+        return _Forgetful()
+
+
+def _forget_shared_costs(monkeypatch):
+    """Every cost model of the search computes everything itself (`model.SharedCosts`
+    and the options kept per model and build)."""
+    import nnscaler_policy_autodist.model as model
+
+    init, model_init = model.SharedCosts.__init__, model.CostModel.__init__
+
+    def forgetful(self):
+        init(self)
+        for name in list(vars(self)):
+            setattr(self, name, _Forgetful())
+
+    def own_options(self, **kwargs):
+        model_init(self, **kwargs)
+        self._options = _Forgetful()
+
+    monkeypatch.setattr(model.SharedCosts, "__init__", forgetful)
+    monkeypatch.setattr(model.CostModel, "__init__", own_options)
+
+
+def _searched(result) -> tuple:
+    return (result.plan_ngpus, result.pipeline, result.meshes, result.solutions,
+            [[o.time for o in opts] for p in result.problems for opts in p.options])
+
+
+def test_shared_costs_give_the_plan_and_estimate_each_model_computes_alone(profile_dir):
+    """The search over unit sizes, stage counts and expert degrees with its costs shared
+    (`model.SharedCosts`) chooses the plan, and estimates every mesh, exactly as when
+    every model computes its costs itself (16 devices, 0.3 GB each: units of 4 and 8
+    searched, stages of 2, 4 and 8 devices, expert degrees 1, 2, 4 and 8)."""
+    pas = {"device_type": "H100", "pipeline_nstages": "auto", "pipeline_nmicros": 4,
+           "mem_constraint": 0.3}
+    graph = ep_graph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's pytree specs warn when copied
+        again = copy.deepcopy(graph)
+    shared = plan_graph(graph, config("auto", 16, profile_dir, **pas))[1]
+    with pytest.MonkeyPatch.context() as m:
+        _forget_shared_costs(m)
+        alone = plan_graph(again, config("auto", 16, profile_dir, **pas))[1]
+    assert [m.unit for m in shared.meshes if m.searched] == [4, 8]
+    assert _searched(shared) == _searched(alone)
 
 
 def splits(result) -> list:
