@@ -40,6 +40,10 @@ an instance are computed once, and every op of an instance between the first and
 takes the choice of the op at its position in the second instance. The first and last
 instances choose for themselves (the ops before the first, or after the last, are not
 another block), so the solver sees at most three layers whatever the depth.
+
+The models of one search (a unit size each, per ZeRO stage, and their copies per expert
+degree) share one `SharedCosts`: what depends only on an op, its split and the stage's
+devices, or only on layouts, is computed once for every point of the mesh that asks for it.
 """
 
 from __future__ import annotations
