@@ -317,15 +317,16 @@ class ComputeProfiler(JsonCache):
         """Seconds of the optimizer's step over one parameter of ``nbytes`` on a device
         (its gradient and ``opt_state`` states of the same size). Measured here once:
         ``torch.optim.Adam`` on one large parameter and on many small ones, giving a cost
-        per parameter and per byte (scaled to ``opt_state`` states); for a named device,
-        memory bound: ``3 + 2 * opt_state`` passes over the bytes."""
+        per parameter and per byte (scaled to ``opt_state`` states), with the zeroing of
+        the gradient's buffer and the accumulation into it (`_adam_seconds`); for a
+        named device, memory bound: ``3 + 2 * opt_state`` passes over the bytes."""
         return self._optimizer_raw(nbytes, opt_state) * self.factors[1] * self.clock_share
 
     def _optimizer_raw(self, nbytes: float, opt_state: float = 2.0) -> float:
         passes = 3 + 2 * opt_state
         if not self.measure:
             return passes * nbytes / self.spec.mem_bw
-        key = "optimizer|torch.optim.Adam|float32"
+        key = f"optimizer|{OPTIMIZER_METHOD}|torch.optim.Adam|float32"
         if key not in self._table:
             self._table[key] = list(measure_adam())
             self._dirty = True
@@ -740,8 +741,12 @@ def typical(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 #: How `ComputeProfiler.calibrate` measures; factors cached another way are not used.
 #: 4: subnormals flushed, weights at their fan-in's scale; 5: the ops re-timed alone in
-#: the same window
-CALIBRATION_METHOD = 5
+#: the same window; 6: Adam's step with the gradient buffers' work (`_adam_seconds`)
+CALIBRATION_METHOD = 6
+
+#: How `measure_adam` measures (the key of its cached figures): 2, with the zeroing of
+#: the gradient buffers and the accumulation into them (`_adam_seconds`)
+OPTIMIZER_METHOD = 2
 
 _HERE: dict[str, Any] = {}  # the model this rank calibrates (rank 0's, while it plans)
 
@@ -856,13 +861,20 @@ def _median_pair(times: Sequence[tuple[float, float] | str]) -> tuple[float, flo
 
 def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
     """The median seconds of ``steps`` steps of ``torch.optim.Adam`` over ``params``
-    (made-up gradients; after a first step that creates the states)."""
+    (made-up gradients; after a first step that creates the states), each with the work
+    the runtime does on every weight's gradient in a step besides the op that computes
+    it: the gradient stays in its buffer (a reducer's), which ``zero_grad`` zeroes and
+    backward adds the new gradient to (`nnscaler.runtime.reducer`), two passes over its
+    bytes that neither backward timed alone nor Adam's step include. On this project's
+    2-core machine they were 1.6 of a 22 ms step of the MLP of bench_quality.py at
+    ``plan_ngpus=2`` (``aten::fill_`` and ``AccumulateGrad`` in torch's profiler)."""
     import statistics
 
     cuda = params[0].device.type == "cuda"
     clock = op_clock(params[0].device)
+    fresh = [torch.randn_like(p) for p in params]  # what backward computes
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.grad = torch.zeros_like(p)  # the gradient buffer
     opt = torch.optim.Adam(params, lr=1e-6)
     opt.step()
     samples = []
@@ -870,6 +882,9 @@ def _adam_seconds(params: list[torch.Tensor], steps: int) -> float:
         if cuda:
             torch.cuda.synchronize()
         t0 = clock()
+        for p, g in zip(params, fresh):
+            p.grad.zero_()
+            p.grad.add_(g)
         opt.step()
         if cuda:
             torch.cuda.synchronize()

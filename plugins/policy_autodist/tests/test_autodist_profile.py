@@ -225,3 +225,27 @@ def test_cpu_times_count_the_ranks_sharing_a_core(tmp_path, monkeypatch):
     assert shared.profiled == 0 and shared.clock_share == 2.0
     assert shared.time(op, None, 1) == pytest.approx((2 * fw, 2 * bw))
     assert shared.optimizer_time(4096) == pytest.approx(2 * adam)
+
+
+def test_adam_step_includes_the_gradient_buffers_work(monkeypatch):
+    """Each timed step zeroes every gradient (the reducer's buffer, as ``zero_grad``
+    does) and adds the step's new gradient to it, as backward does, inside the clock:
+    after the steps a gradient is the new one once, not a sum of them."""
+    params = [torch.zeros(64, requires_grad=True), torch.zeros(8, 4, requires_grad=True)]
+    ticks: list[str] = []
+    real_zero = torch.Tensor.zero_
+
+    def zero(self):
+        ticks.append("zero")
+        return real_zero(self)
+
+    monkeypatch.setattr(profile, "op_clock", lambda device: lambda: ticks.append("clock") or 0.0)
+    monkeypatch.setattr(torch.Tensor, "zero_", zero)
+    torch.manual_seed(0)
+    profile._adam_seconds(params, steps=2)
+    torch.manual_seed(0)
+    fresh = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, fresh):
+        assert torch.equal(p.grad, g)
+    # per step: the clock, a zeroing per gradient, the clock
+    assert ticks == ["clock", "zero", "zero", "clock"] * 2
